@@ -1,0 +1,70 @@
+"""Backends: where the model runs and how a step is taken. `local` is one process, the CPU or
+one GPU, with autocast from trainer.precision."""
+
+import contextlib
+import logging
+import random
+
+import torch
+from torch import Tensor, nn
+
+from experiments.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LocalBackend:
+    rank = 0
+    world_size = 1
+    is_main = True
+
+    def setup(self, trainer) -> None:
+        """Pick the device, seed every generator, set CPU threads. Runs before the model is built."""
+        requested = trainer.device.value
+        if requested == "cuda" and not torch.cuda.is_available():
+            raise UserError("trainer.device=cuda but no CUDA device is visible: use trainer.device=auto or cpu")
+        if requested == "auto":
+            requested = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(requested)
+        self.precision = trainer.precision.value
+        if self.precision == "fp16" and self.device.type != "cuda":
+            raise UserError("trainer.precision=fp16 needs a CUDA device: use bf16 or fp32 on the CPU")
+        if trainer.threads:
+            torch.set_num_threads(trainer.threads)
+        random.seed(trainer.seed)
+        torch.manual_seed(trainer.seed)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def autocast(self):
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    def backward(self, loss: Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def step(self, optimizer, parameters, clip_grad_norm) -> float:
+        """Unscale, clip (if asked), step, zero the gradients; returns the gradient norm."""
+        self.scaler.unscale_(optimizer)
+        params = [p for p in parameters if p.grad is not None]
+        max_norm = clip_grad_norm if clip_grad_norm else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def all_reduce_mean(self, value: float) -> float:
+        return value
+
+    def peak_memory_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -1,0 +1,168 @@
+"""The run directory (DESIGN.md section 4) and the life of one run inside it.
+
+`Run` owns metrics.jsonl, summary.json, samples/ and checkpoints/ of one Hydra job directory.
+Used as a context manager it records how the run ended: "completed", "failed" (with the error)
+or "interrupted" (SIGTERM or Ctrl-C: the task checkpoints at the next step boundary). In a sweep a
+failed job is recorded and the sweep goes on; a single run exits non-zero with one clear message.
+"""
+
+import json
+import logging
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from experiments.errors import TrainingError, UserError
+from experiments.files import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+class Run:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        name: str = "",
+        group: Optional[str] = None,
+        choices: Optional[dict] = None,
+        multirun: bool = False,
+        is_main: bool = True,
+    ):
+        self.dir = Path(directory)
+        self.name = name or self.dir.name
+        self.group = group
+        self.choices = choices or {}
+        self.multirun = multirun
+        self.is_main = is_main  # only the main rank writes files
+        self.summary: dict[str, Any] = {}
+        self.result: Optional[float] = None
+        self.stop_requested = False
+        self._start = time.time()
+        self._wall_before = 0.0  # wall time of earlier sessions of a resumed run
+        self._handlers: dict = {}
+
+    @classmethod
+    def from_hydra(cls, is_main: bool = True) -> "Run":
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        multirun = hc.mode == RunMode.MULTIRUN
+        return cls(
+            hc.runtime.output_dir,
+            name=hc.job.override_dirname or Path(hc.runtime.output_dir).name,
+            group=Path(hc.sweep.dir).name if multirun else None,
+            choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")},
+            multirun=multirun,
+            is_main=is_main,
+        )
+
+    # ---- paths -------------------------------------------------------------------------------
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.dir / "summary.json"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.dir / "checkpoints"
+
+    @property
+    def samples_dir(self) -> Path:
+        return self.dir / "samples"
+
+    # ---- records -----------------------------------------------------------------------------
+
+    def log_metrics(self, row: dict) -> None:
+        """Append one JSON object (it must hold "step") to metrics.jsonl."""
+        if self.is_main:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(row, default=float) + "\n")
+
+    def truncate_metrics(self, step: int) -> None:
+        """Keep only rows up to `step`: a resumed run appends from there without repeating steps."""
+        if not (self.is_main and self.metrics_path.exists()):
+            return
+        lines = self.metrics_path.read_text().splitlines()
+        kept = [line for line in lines if (s := _row_step(line)) is not None and s <= step]
+        if len(kept) != len(lines):
+            atomic_write_text(self.metrics_path, "".join(line + "\n" for line in kept))
+
+    def write_sample(self, name: str, text: str) -> Path:
+        path = self.samples_dir / name
+        if self.is_main:
+            self.samples_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, text)
+        return path
+
+    def update_summary(self, **fields: Any) -> None:
+        self.summary.update(fields)
+
+    def wall_s(self) -> float:
+        return self._wall_before + time.time() - self._start
+
+    def continue_wall_clock(self, seconds: float) -> None:
+        self._wall_before = seconds
+
+    def write_summary(self, status: str) -> None:
+        if self.is_main:
+            self.summary.update(status=status, wall_s=round(self.wall_s(), 2))
+            self.summary.setdefault("error", None)
+            atomic_write_json(self.summary_path, self.summary)
+
+    # ---- life ----------------------------------------------------------------------------------
+
+    def _request_stop(self, signum, frame) -> None:
+        if self.stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        log.warning("%s received: checkpointing at the end of this step", signal.Signals(signum).name)
+        self.stop_requested = True
+
+    def __enter__(self) -> "Run":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._handlers[sig] = signal.signal(sig, self._request_stop)
+            except ValueError:  # not the main thread (a launcher's worker): keep the defaults
+                pass
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        if exc_type is None:
+            self.write_summary("interrupted" if self.stop_requested else "completed")
+            return False
+        if issubclass(exc_type, KeyboardInterrupt):
+            self.summary["error"] = "interrupted by the user"
+            self.write_summary("interrupted")
+            return False
+        known = issubclass(exc_type, (UserError, TrainingError))
+        message = str(exc) if known else f"{exc_type.__name__}: {exc}"
+        self.summary["error"] = message
+        self.write_summary("failed")
+        if known:
+            log.error("%s", message)
+        else:
+            log.error("run failed:\n%s", "".join(traceback.format_exception(exc_type, exc, tb)))
+        if self.multirun:  # the sweep goes on; this job's summary says what went wrong
+            self.result = float("nan")
+            return True
+        if known:
+            sys.exit(f"error: {message}")
+        return False
+
+
+def _row_step(line: str) -> Optional[int]:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a line torn by a kill: dropped

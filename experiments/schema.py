@@ -1,0 +1,225 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Each yaml option in conf/<group>/ starts from its schema here
+(`defaults: [/schema/<group>/<name>@_here_, _self_]`), so a
+misspelt key or a value of the wrong type fails at composition, naming the key, before any work.
+Cross-field rules (seq_len against block sizes, ...) live in `experiments.checks`.
+
+This module imports only hydra/omegaconf: train.py imports it before composing, and `--help`
+must stay fast.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+class Device(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Kernel(Enum):
+    auto = "auto"
+    torch = "torch"
+    triton = "triton"
+
+
+class WandbMode(Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 400
+    batch_size: int = 8  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    validate_every: int = 100  # steps; 0 disables (the final validation still runs)
+    val_batches: int = 8  # micro-batches per validation, always the same crops
+    generate_every: int = 0  # steps; 0: only at the end
+    checkpoint_every: int = 100  # steps; a checkpoint is also written at the end
+    keep_checkpoints: int = 1  # how many of the newest checkpoints to keep
+    log_every: int = 10  # steps between metrics.jsonl rows
+    seed: int = 0
+    device: Device = Device.auto
+    precision: Precision = Precision.fp32
+    clip_grad_norm: Optional[float] = 1.0  # null: no clipping
+    resume: str = "auto"  # auto | never | <checkpoint file or run directory>
+    threads: Optional[int] = None  # torch intra-op threads on CPU; null: torch's default
+    progress: bool = True  # tqdm progress bar on stderr
+
+
+@dataclass
+class Config:
+    """The root: groups are typed by their own schemas below, the trainer section here."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: Any = MISSING
+    data: Any = MISSING
+    optimizer: Any = MISSING
+    schedule: Any = MISSING
+    backend: Any = MISSING
+    tracker: Any = MISSING
+    task: Any = MISSING
+
+
+# ---- model ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TransformerConfig:
+    """The shared backbone's knobs; every attention variant adds its own."""
+
+    _target_: str = "models.lm.transformer_lm"
+    num_tokens: int = 256
+    dim: int = 256
+    depth: int = 4
+    heads: int = 4
+    dim_head: int = 64
+    ff_mult: float = 4.0
+    attn_dropout: float = 0.0
+    ff_dropout: float = 0.0
+    max_seq_len: int = "${data.seq_len}"  # type: ignore[assignment]
+
+
+@dataclass
+class NSAConfig(TransformerConfig):
+    _target_: str = "models.lm.nsa_lm"
+    kv_heads: int = 2
+    sliding_window_size: int = 64
+    compress_block_size: int = 16
+    compress_stride: int = 8
+    fine_block_size: int = 16
+    num_fine_selected: int = 4
+    compress_hidden_mult: float = 1.0  # hidden width of the compression MLP, in dim_head units
+    kernel: Kernel = Kernel.auto
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+
+@dataclass
+class TextDataConfig:
+    """Byte-level text: the built-in corpus, or any file through `path`."""
+
+    _target_: str = "experiments.data.ByteText"
+    seq_len: int = 256
+    path: Optional[str] = None  # null: the built-in corpus (this Python's standard library)
+    val_fraction: float = 0.1  # the validation split is taken from the end
+    cache_dir: str = "${oc.env:XDG_CACHE_HOME,${oc.env:HOME,.}/.cache}/sparse-attention"
+
+
+@dataclass
+class Enwik8DataConfig:
+    _target_: str = "experiments.data.Enwik8"
+    seq_len: int = 512
+    path: str = "data/enwik8.gz"
+    train_bytes: int = 90_000_000
+    val_bytes: int = 5_000_000
+
+
+# ---- optimizer and schedule (partials: parameters and optimizer are bound by the task) -----
+
+
+@dataclass
+class AdamConfig:
+    _target_: str = "torch.optim.Adam"
+    _partial_: bool = True
+    lr: float = 1e-3
+    betas: list = field(default_factory=lambda: [0.9, 0.99])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class AdamWConfig(AdamConfig):
+    _target_: str = "torch.optim.AdamW"
+    weight_decay: float = 0.01
+
+
+@dataclass
+class CosineScheduleConfig:
+    _target_: str = "experiments.schedule.warmup_cosine"
+    _partial_: bool = True
+    warmup_steps: int = 50
+    total_steps: int = "${trainer.max_steps}"  # type: ignore[assignment]
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class ConstantScheduleConfig:
+    _target_: str = "experiments.schedule.constant"
+    _partial_: bool = True
+    warmup_steps: int = 0
+
+
+# ---- backend, tracker, task ----------------------------------------------------------------
+
+
+@dataclass
+class LocalBackendConfig:
+    _target_: str = "experiments.backends.LocalBackend"
+
+
+@dataclass
+class WandbConfig:
+    _target_: str = "experiments.trackers.WandbTracker"
+    project: str = "sparse-attention"
+    entity: Optional[str] = None
+    mode: WandbMode = WandbMode.offline  # offline never needs the network; `wandb sync` later
+    name: Optional[str] = None  # null: the job's overrides, or the run directory's name
+    group: Optional[str] = None  # null: the sweep directory for sweep jobs
+    tags: list = field(default_factory=list)
+
+
+@dataclass
+class NoTrackerConfig:
+    _target_: str = "experiments.trackers.NoTracker"
+
+
+@dataclass
+class LanguageModelTaskConfig:
+    _target_: str = "experiments.language_model.LanguageModelTask"
+    prime_length: int = 64  # bytes of validation text that prime each sample
+    generate_length: int = 256
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_k: Optional[int] = 32  # null: the full distribution
+
+
+def job_subdir(override_dirname: str, seed: Any) -> str:
+    """A sweep job's directory: its overrides, then the seed as its own last level."""
+    return f"{override_dirname}/seed={seed}" if override_dirname else f"seed={seed}"
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(group="schema", name="config", node=Config)
+    schemas = {
+        "model": {"transformer": TransformerConfig, "nsa": NSAConfig},
+        "data": {"text": TextDataConfig, "enwik8": Enwik8DataConfig},
+        "optimizer": {"adam": AdamConfig, "adamw": AdamWConfig},
+        "schedule": {"cosine": CosineScheduleConfig, "constant": ConstantScheduleConfig},
+        "backend": {"local": LocalBackendConfig},
+        "tracker": {"wandb": WandbConfig, "none": NoTrackerConfig},
+        "task": {"lm": LanguageModelTaskConfig},
+    }
+    for group, options in schemas.items():
+        for name, node in options.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
+    OmegaConf.register_new_resolver("job_subdir", job_subdir, replace=True)
+
+
+register()

@@ -1,0 +1,40 @@
+"""Figures for MFU: the device's measured matmul peak, and the FLOPs of one training step."""
+
+import time
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.3) -> float:
+    """FLOP/s of a square matmul on this device and dtype: the peak that MFU is measured against."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    for _ in range(3):  # warm-up
+        a @ b
+    while time.perf_counter() < deadline or best == float("inf"):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def training_flops_per_token(model: nn.Module, seq_len: int, device: torch.device) -> float:
+    """Counted FLOPs of forward + backward on one sequence, per token (what the model computes,
+    sparse attention's savings included)."""
+    tokens = torch.randint(0, model.num_tokens, (1, seq_len), device=device)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(tokens).float().logsumexp(-1).mean().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / seq_len
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,55 @@
+"""Sampling helpers shared by every task: filtering, one sampling step, cached generation."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def filter_top_k(logits: Tensor, k: Optional[int]) -> Tensor:
+    """Keep the k largest logits of the last axis, -inf elsewhere (k None or >= vocab: all)."""
+    if k is None or k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def probabilities(logits: Tensor, temperature: float, top_k: Optional[int]) -> Tensor:
+    """The distribution that `sample` draws from; temperature 0 puts all mass on the argmax."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return torch.softmax(filter_top_k(logits, top_k) / temperature, dim=-1)
+
+
+def sample(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
+    """logits [..., vocab] -> tokens [...]; temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = probabilities(logits.float(), temperature, top_k)
+    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    return flat.reshape(probs.shape[:-1])
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt: Tensor,
+    length: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
+    """Decode `length` tokens after prompt [batch, prime] with the model's cache -> [batch, length]."""
+    cache = model.new_cache()
+    logits = model(prompt, cache=cache)[:, -1]
+    out = []
+    for _ in range(length):
+        token = sample(logits, temperature, top_k, generator)
+        out.append(token)
+        logits = model(token[:, None], cache=cache)[:, -1]
+    return torch.stack(out, dim=1)

@@ -1,0 +1,41 @@
+"""Compose the config, instantiate its parts, hand them to the task.
+
+    python train.py                                   # NSA LM on the built-in corpus
+    python train.py model=transformer trainer.max_steps=50
+    python train.py -m model.num_fine_selected=2,4,8  # a sweep: one run directory per job
+
+Heavy imports (torch, the models) happen inside main, so `--help` stays fast.
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+import experiments.schema  # noqa: F401  (registers the config schemas before composition)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from experiments.build import build
+    from experiments.run import Run
+
+    backend = build(cfg.backend, "backend")
+    with Run.from_hydra(is_main=backend.is_main) as run:
+        backend.setup(cfg.trainer)  # device, seeds, threads: before anything is built
+        task = build(cfg.task, "task")
+        data = build(cfg.data, "data")
+        model = build(cfg.model, "model")
+        run.result = task(
+            run=run,
+            cfg=cfg,
+            backend=backend,
+            data=data,
+            model=model,
+            optimizer=build(cfg.optimizer, "optimizer"),
+            schedule=build(cfg.schedule, "schedule"),
+            tracker=build(cfg.tracker, "tracker"),
+        )
+    return run.result
+
+
+if __name__ == "__main__":
+    main()
