@@ -174,19 +174,21 @@ class LocalBackendConfig:
 
 
 @dataclass
-class WandbConfig:
-    _target_: str = "experiments.trackers.WandbTracker"
+class NoTrackerConfig:
+    """What names a run, whichever tracker records it (presets set these; `none` ignores them)."""
+
+    _target_: str = "experiments.trackers.NoTracker"
     project: str = "sparse-attention"
-    entity: Optional[str] = None
-    mode: WandbMode = WandbMode.offline  # offline never needs the network; `wandb sync` later
     name: Optional[str] = None  # null: the job's overrides, or the run directory's name
     group: Optional[str] = None  # null: the sweep directory for sweep jobs
     tags: list = field(default_factory=list)
 
 
 @dataclass
-class NoTrackerConfig:
-    _target_: str = "experiments.trackers.NoTracker"
+class WandbConfig(NoTrackerConfig):
+    _target_: str = "experiments.trackers.WandbTracker"
+    entity: Optional[str] = None
+    mode: WandbMode = WandbMode.offline  # offline never needs the network; `wandb sync` later
 
 
 @dataclass

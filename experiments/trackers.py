@@ -8,6 +8,10 @@ log = logging.getLogger(__name__)
 
 
 class NoTracker:
+    def __init__(self, project: str = "", name: Optional[str] = None, group: Optional[str] = None,
+                 tags: Optional[list] = None):
+        self.project, self.name, self.group, self.tags = project, name, group, list(tags or [])
+
     def start(self, run, config: dict) -> None:
         pass
 
@@ -26,9 +30,9 @@ class WandbTracker(NoTracker):
 
     def __init__(self, project: str, mode, entity: Optional[str] = None, name: Optional[str] = None,
                  group: Optional[str] = None, tags: Optional[list] = None):
-        self.project, self.entity = project, entity
+        super().__init__(project, name, group, tags)
+        self.entity = entity
         self.mode = getattr(mode, "value", mode)
-        self.name, self.group, self.tags = name, group, list(tags or [])
         self.wandb_run = None
 
     def start(self, run, config: dict) -> None:

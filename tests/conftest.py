@@ -1,0 +1,83 @@
+"""Shared helpers: composing configs in-process, and running train.py as a user would."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the smallest run that exercises every part of the loop: a "debug model" every feature test uses
+TINY = [
+    "model.dim=32",
+    "model.depth=1",
+    "model.heads=2",
+    "model.dim_head=16",
+    "data.seq_len=32",
+    "trainer.batch_size=2",
+    "trainer.val_batches=2",
+    "trainer.log_every=1",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "task.prime_length=8",
+    "task.generate_length=8",
+    "tracker=none",
+]
+TINY_NSA = TINY + [
+    "model=nsa",
+    "model.kv_heads=1",
+    "model.sliding_window_size=8",
+    "model.compress_block_size=4",
+    "model.compress_stride=2",
+    "model.fine_block_size=4",
+    "model.num_fine_selected=3",
+]
+
+
+def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python train.py` with the tiny dense model in `run_dir`."""
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *TINY, "model=transformer", *overrides]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
+    if check and result.returncode != 0:
+        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *TINY, "model=transformer", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0"}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
+
+
+@pytest.fixture
+def compose():
+    """compose(*overrides) -> the root config, composed exactly as train.py composes it."""
+    import experiments.schema  # noqa: F401
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    def _compose(*overrides: str):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=False)
+
+    yield _compose
+    GlobalHydra.instance().clear()

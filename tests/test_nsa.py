@@ -1,0 +1,139 @@
+"""Native Sparse Attention: causality, the branches' definitions, caching, odd lengths."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.attention.nsa import NativeSparseAttention
+from models.lm import nsa_lm
+
+KNOBS = dict(kv_heads=2, sliding_window_size=8, compress_block_size=4, compress_stride=2, fine_block_size=4,
+             num_fine_selected=3)
+
+
+def tiny_nsa(**overrides):
+    torch.manual_seed(0)
+    knobs = {**KNOBS, **overrides}
+    return nsa_lm(num_tokens=64, dim=32, depth=2, heads=4, dim_head=8, max_seq_len=128, **knobs).eval()
+
+
+@pytest.mark.parametrize("t", [0, 2, 3, 4, 7, 8, 15, 16, 30, 45])
+def test_causal_by_perturbation(t):
+    """Changing every token after t leaves the logits at <= t unchanged (block boundaries included)."""
+    model = tiny_nsa()
+    x = torch.randint(0, 64, (2, 48))
+    changed = x.clone()
+    changed[:, t + 1 :] = (changed[:, t + 1 :] + 1 + torch.randint(0, 62, changed[:, t + 1 :].shape)) % 64
+    base, out = model(x), model(changed)
+    assert torch.equal(out[:, : t + 1], base[:, : t + 1])
+    if t < 47:
+        assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :])
+
+
+@pytest.mark.parametrize("t", [3, 16, 29])
+def test_causal_by_gradient(t):
+    """The logits at t have zero gradient with respect to every later input embedding."""
+    model = tiny_nsa()
+    x = torch.randint(0, 64, (1, 40))
+    emb = model.token_emb(x).detach().requires_grad_()
+    h = emb
+    for block in model.blocks:
+        h = block(h)
+    logits = model.to_logits(model.norm(h))
+    (grad,) = torch.autograd.grad(logits[0, t].sum(), emb)
+    assert grad[0, t + 1 :].abs().max() == 0
+    assert grad[0, : t + 1].abs().max() > 0
+
+
+def test_all_blocks_selected_equals_dense_causal_attention():
+    """With every block selected, the selected branch is dense causal attention; so is a window
+    as long as the sequence."""
+    n, d = 37, 8
+    attn = NativeSparseAttention(dim=16, heads=4, dim_head=d, kv_heads=2, sliding_window_size=n,
+                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=10)
+    q = torch.randn(2, 2, 2, n, d)  # [batch, kv_heads, group, seq, dim_head]
+    k, v = torch.randn(2, 2, n, d), torch.randn(2, 2, n, d)
+    importance = torch.rand(2, 2, n, attn.compress_k.num_blocks(n))
+    indices, valid = attn._select(importance, 0, n)
+    from kernels.selected_attention import selected_attention
+
+    selected = selected_attention(q.permute(0, 1, 3, 2, 4).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                  indices.flatten(0, 1), valid.flatten(0, 1), 0, 4)
+    dense = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], is_causal=True)
+    torch.testing.assert_close(selected.view(2, 2, n, 2, d).permute(0, 1, 3, 2, 4), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn._window(q, k, v, 0), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_window_sees_exactly_the_last_w_tokens():
+    attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=5,
+                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=2)
+    n = 23
+    q, k, v = torch.randn(1, 1, 2, n, 8), torch.randn(1, 1, n, 8), torch.randn(1, 1, n, 8)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    mask = (j <= i) & (j > i - 5)
+    expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=mask)
+    torch.testing.assert_close(attn._window(q, k, v, 0), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_compressed_branch_sees_only_complete_blocks_and_never_nans():
+    attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, **{**KNOBS, "kv_heads": 1})
+    n = 12
+    q = torch.randn(1, 1, 2, n, 8, requires_grad=True)
+    kc = torch.randn(1, 1, attn.compress_k.num_blocks(n), 8, requires_grad=True)
+    vc = torch.randn(1, 1, attn.compress_k.num_blocks(n), 8, requires_grad=True)
+    out, importance = attn._compressed(q, kc, vc, 0)
+    # block i covers tokens [2i, 2i + 3]: query t sees blocks with 2i + 3 <= t
+    assert torch.equal(out[..., :3, :], torch.zeros_like(out[..., :3, :]))  # no complete block yet
+    assert (importance[0, 0, 3, 1:] == 0).all() and importance[0, 0, 3, 0] > 0
+    assert (importance[0, 0, 6, 2:] == 0).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, kc, vc))
+
+
+def test_selection_forces_own_initial_and_previous_blocks():
+    attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=4,
+                                 compress_block_size=4, compress_stride=4, fine_block_size=4, num_fine_selected=4)
+    n = 40
+    importance = torch.zeros(1, 1, n, attn.compress_k.num_blocks(n))
+    importance[..., 5] = 1.0  # block 5 is the most important wherever it is visible
+    indices, valid = attn._select(importance, 0, n)
+    for t in (0, 5, 13, 27, 39):
+        chosen = set(indices[0, 0, t][valid[0, 0, t]].tolist())
+        own = t // 4
+        assert {own, 0, max(own - 1, 0)} <= chosen
+        assert all(b <= own for b in chosen), "a future block was selected"
+        if own > 6:
+            assert 5 in chosen
+
+
+def test_cached_decoding_equals_parallel_forward():
+    model = tiny_nsa()
+    x = torch.randint(0, 64, (2, 45))
+    full = model(x)
+    cache = model.new_cache()
+    pieces = [model(x[:, :9], cache=cache)]
+    pieces += [model(x[:, t : t + 1], cache=cache) for t in range(9, 30)]
+    pieces.append(model(x[:, 30:], cache=cache))  # several tokens at once after a cache
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 17, 33])
+def test_lengths_not_multiples_of_blocks_give_finite_gradients(n):
+    model = tiny_nsa().train()
+    x = torch.randint(0, 64, (2, n))
+    loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, p in model.named_parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(kv_heads=3), "multiple of kv_heads"),
+    (dict(compress_stride=8), "compress_stride"),
+    (dict(num_fine_selected=0), "num_fine_selected"),
+    (dict(kernel="triton"), "kernel=triton"),
+])
+def test_invalid_knobs_say_how_to_fix_them(bad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_nsa(**bad)

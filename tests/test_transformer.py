@@ -1,0 +1,60 @@
+"""The shared backbone with dense attention, and the sampling helpers."""
+
+import torch
+
+from models.lm import transformer_lm
+from models.sampling import filter_top_k, generate, sample
+
+
+def tiny_dense(**kw):
+    torch.manual_seed(0)
+    return transformer_lm(num_tokens=64, dim=32, depth=2, heads=2, dim_head=16, max_seq_len=64, **kw).eval()
+
+
+def test_logits_shape():
+    model = tiny_dense()
+    assert model(torch.randint(0, 64, (3, 20))).shape == (3, 20, 64)
+
+
+def test_dense_model_is_causal():
+    model = tiny_dense()
+    x = torch.randint(0, 64, (2, 40))
+    base = model(x)
+    for t in (0, 7, 20, 38):
+        changed = x.clone()
+        changed[:, t + 1 :] = torch.randint(0, 64, changed[:, t + 1 :].shape)
+        out = model(changed)
+        assert torch.equal(out[:, : t + 1], base[:, : t + 1]), f"logits at <= {t} moved"
+        assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :]), "the perturbation changed nothing"
+
+
+def test_cached_decoding_equals_parallel_forward():
+    model = tiny_dense()
+    x = torch.randint(0, 64, (2, 30))
+    full = model(x)
+    cache = model.new_cache()
+    pieces = [model(x[:, :11], cache=cache)] + [model(x[:, t : t + 1], cache=cache) for t in range(11, 30)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_filter_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0]])
+    kept = filter_top_k(logits, 2)
+    assert torch.isfinite(kept).tolist() == [[False, True, False, True]]
+    assert torch.equal(filter_top_k(logits, None), logits)
+
+
+def test_greedy_sampling_is_argmax_and_top1_is_greedy():
+    logits = torch.randn(5, 16)
+    assert torch.equal(sample(logits, temperature=0), logits.argmax(-1))
+    assert torch.equal(sample(logits, temperature=1.0, top_k=1), logits.argmax(-1))
+
+
+def test_greedy_generation_matches_uncached_greedy_decoding():
+    model = tiny_dense()
+    prompt = torch.randint(0, 64, (2, 5))
+    out = generate(model, prompt, 12, temperature=0)
+    seq = prompt
+    for _ in range(12):
+        seq = torch.cat((seq, model(seq)[:, -1].argmax(-1, keepdim=True)), 1)
+    assert torch.equal(out, seq[:, 5:])
