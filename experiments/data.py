@@ -28,6 +28,8 @@ class ByteData:
     num_tokens = 256
 
     def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, name: str):
+        if seq_len < 1:
+            raise UserError(f"data.seq_len={seq_len} must be at least 1")
         for split, array in (("training", train), ("validation", val)):
             if len(array) <= seq_len + 1:
                 raise UserError(

@@ -52,9 +52,11 @@ class Run:
 
         hc = HydraConfig.get()
         multirun = hc.mode == RunMode.MULTIRUN
+        out = Path(hc.runtime.output_dir)
         return cls(
-            hc.runtime.output_dir,
-            name=hc.job.override_dirname or Path(hc.runtime.output_dir).name,
+            out,
+            # a sweep job is named by its swept values (its path in the sweep), a run by its time
+            name=str(out.relative_to(Path(hc.sweep.dir).absolute())) if multirun else out.name,
             group=Path(hc.sweep.dir).name if multirun else None,
             choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")},
             multirun=multirun,

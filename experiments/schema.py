@@ -9,6 +9,7 @@ This module imports only hydra/omegaconf: train.py imports it before composing, 
 must stay fast.
 """
 
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -201,9 +202,27 @@ class LanguageModelTaskConfig:
     top_k: Optional[int] = 32  # null: the full distribution
 
 
-def job_subdir(override_dirname: str, seed: Any) -> str:
-    """A sweep job's directory: its overrides, then the seed as its own last level."""
-    return f"{override_dirname}/seed={seed}" if override_dirname else f"seed={seed}"
+def job_subdir(task_overrides: Any, seed: Any) -> str:
+    """A sweep job's directory: the values of the swept keys (not every override on the command
+    line), then the seed as its own last level, e.g. `model.num_fine_selected=4/seed=1`."""
+    swept = _swept_keys(sys.argv[1:])
+    parts = sorted(
+        o.replace("/", "_") for o in task_overrides
+        if (key := o.split("=", 1)[0].lstrip("+~")) != "trainer.seed" and (swept is None or key in swept)
+    )
+    name = ",".join(parts)
+    return f"{name}/seed={seed}" if name else f"seed={seed}"
+
+
+def _swept_keys(args: list[str]) -> Optional[set[str]]:
+    """Keys given several values on the command line (None if it cannot be parsed)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
+    except Exception:
+        return None
+    return {o.key_or_group for o in overrides if o.is_sweep_override()}
 
 
 def register() -> None:

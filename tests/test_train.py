@@ -1,0 +1,168 @@
+"""train.py end to end, as a user runs it: the run directory, resume, signals, sweeps, bad input."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, TINY_NSA, _env, losses, read_metrics, read_summary, start_train, train
+
+
+def test_a_few_steps_write_every_file_of_the_run_directory(tmp_path):
+    run = tmp_path / "run"
+    train(run, "trainer.max_steps=6", "trainer.validate_every=3", "trainer.generate_every=3")
+    for name in (".hydra/config.yaml", ".hydra/overrides.yaml", ".hydra/hydra.yaml", "train.log", "metrics.jsonl",
+                 "summary.json", "samples/step_0000003.txt", "samples/step_0000006.txt"):
+        assert (run / name).is_file(), name
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0000006.pt"]
+    rows = read_metrics(run)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 for r in train_rows)
+    val_rows = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in val_rows] == [3, 6]
+    assert val_rows[-1]["val_bpc"] == pytest.approx(val_rows[-1]["val_loss"] / 0.6931471805599453, rel=1e-4)
+    summary = read_summary(run)
+    assert summary["status"] == "completed" and summary["error"] is None
+    assert summary["task"] == "lm" and summary["model"] == "transformer" and summary["step"] == 6
+    for key in ("val_loss", "val_bpc", "tokens_per_s", "peak_mem_mb", "params", "wall_s", "mfu", "data_fingerprint"):
+        assert summary[key], key
+    assert "=== generated" in (run / "samples/step_0000006.txt").read_text()
+
+
+def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
+    steps = ["trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.validate_every=0"]
+    train(tmp_path / "whole", *steps)
+    proc = start_train(tmp_path / "killed", *steps)
+    ckpts = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (ckpts.is_dir() and any(ckpts.glob("step_*.pt"))):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(losses(tmp_path / "killed"))
+    train(tmp_path / "killed", *steps)  # same command, same directory: resumes
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "killed")
+    assert killed_at < 60, "the run finished before it could be killed"
+    assert sorted(resumed) == list(range(1, 61))  # every step once
+    steps_logged = [r["step"] for r in read_metrics(tmp_path / "killed") if "loss" in r]
+    assert len(steps_logged) == len(set(steps_logged))
+    for step in whole:
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-6, abs=1e-7), step
+    assert read_summary(tmp_path / "killed")["status"] == "completed"
+
+
+def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
+    run = tmp_path / "run"
+    proc = start_train(run, "trainer.max_steps=100000", "trainer.checkpoint_every=0", "trainer.validate_every=0")
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(losses(run)) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    summary = read_summary(run)
+    assert summary["status"] == "interrupted"
+    saved = list((run / "checkpoints").glob("step_*.pt"))
+    assert len(saved) == 1 and int(saved[0].stem.split("_")[1]) == summary["step"] >= 3
+
+
+def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY_NSA, "trainer.max_steps=2",
+           "model.kv_heads=1,3"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    assert result.returncode == 0, result.stderr
+    good, bad = sweep / "model.kv_heads=1" / "seed=0", sweep / "model.kv_heads=3" / "seed=0"
+    assert read_summary(good)["status"] == "completed"
+    failed = read_summary(bad)
+    assert failed["status"] == "failed" and "multiple of kv_heads" in failed["error"]
+
+
+def test_two_job_sweep_of_the_issue_leaves_two_directories(tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY, "model=transformer",
+           "trainer.max_steps=2", "model.depth=1,2", "trainer.seed=0,1"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300, env=_env())
+    jobs = sorted(str(p.parent.relative_to(sweep)) for p in sweep.rglob("summary.json"))
+    assert jobs == ["model.depth=1/seed=0", "model.depth=1/seed=1", "model.depth=2/seed=0", "model.depth=2/seed=1"]
+
+
+def _fails(run, *overrides):
+    result = train(run, *overrides, check=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model=nope", "Could not find 'model/nope'"),
+    ("trainer.max_stepz=3", "Key 'max_stepz' not in 'TrainerConfig'"),
+    ("model.depth=two", "'two' of type 'str' could not be converted to Integer"),
+    ("data.seq_len=0", "data.seq_len=0 must be at least 1"),
+    ("data.path=/nonexistent/corpus.txt", "data.path=/nonexistent/corpus.txt: no such file"),
+])
+def test_bad_input_gets_one_clear_message(tmp_path, override, message):
+    assert message in _fails(tmp_path / "run", override)
+
+
+def test_corrupt_checkpoint_is_reported_and_kept(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step_0000005.pt").write_bytes(b"garbage")
+    assert "cannot be read" in _fails(run, "trainer.max_steps=6")
+    assert (run / "checkpoints" / "step_0000005.pt").read_bytes() == b"garbage"
+
+
+def test_foreign_checkpoint_is_refused(tmp_path):
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.ones(1)}, foreign)
+    assert "not written by this project" in _fails(tmp_path / "run", f"trainer.resume={foreign}")
+
+
+def test_resuming_with_another_model_is_refused_without_losing_anything(tmp_path):
+    run = tmp_path / "run"
+    train(run, "trainer.max_steps=2")
+    before = (run / "checkpoints" / "step_0000002.pt").read_bytes()
+    assert "model.depth differ" in _fails(run, "trainer.max_steps=2", "model.depth=2")
+    assert (run / "checkpoints" / "step_0000002.pt").read_bytes() == before
+    assert read_summary(run)["status"] == "failed"
+    assert len([r for r in read_metrics(run) if "loss" in r]) == 2
+
+
+def test_resume_never_refuses_to_overwrite_a_run(tmp_path):
+    run = tmp_path / "run"
+    train(run, "trainer.max_steps=2")
+    assert "trainer.resume=never would overwrite" in _fails(run, "trainer.max_steps=2", "trainer.resume=never")
+
+
+def test_non_finite_loss_stops_with_advice_and_keeps_the_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    err = _fails(run, "trainer.max_steps=50", "trainer.checkpoint_every=1", "optimizer.lr=1e30",
+                 "trainer.clip_grad_norm=null", "schedule=constant")
+    assert "the training loss is nan" in err.lower() or "the training loss is inf" in err.lower()
+    summary = read_summary(run)
+    assert summary["status"] == "failed" and "Lower optimizer.lr" in summary["error"]
+    assert list((run / "checkpoints").glob("step_*.pt"))
+
+
+def test_wandb_offline_run_lands_in_the_run_directory(tmp_path):
+    run = tmp_path / "run"
+    train(run, "trainer.max_steps=2", "tracker=wandb")
+    assert list((run / "wandb").glob("offline-run-*")), "no offline wandb run"
+
+
+def test_local_runs_and_help_never_import_deepspeed(tmp_path):
+    probe = (
+        "import runpy, sys; sys.argv = sys.argv[1:]; "
+        "exec('try:\\n runpy.run_path(\"train.py\", run_name=\"__main__\")\\nexcept SystemExit: pass'); "
+        "print('deepspeed' in sys.modules)"
+    )
+    for args in (["train.py", "--help"], ["train.py", f"hydra.run.dir={tmp_path / 'run'}", *TINY,
+                                          "model=transformer", "trainer.max_steps=1"]):
+        out = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=_env())
+        assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
