@@ -44,7 +44,7 @@ class WandbMode(Enum):
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 400
+    max_steps: int = 300
     batch_size: int = 8  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     validate_every: int = 100  # steps; 0 disables (the final validation still runs)

@@ -19,7 +19,8 @@ _FORWARD_CHUNK = 1 << 20
 _BACKWARD_CHUNK = 1 << 19
 
 
-def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int, block: int) -> Tensor:
+def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int,
+                       block: int) -> tuple[Tensor, Tensor]:
     """Attention of each query over its selected blocks of keys, causal within the blocks.
 
     q        [batch_kv, seq_q, group, dim_head]  queries of one GQA group (batch * kv_heads first)
@@ -28,10 +29,11 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
     valid    [batch_kv, seq_q, num_selected]     False where a selection slot is unused
     start    position of the first query (seq_k - seq_q when decoding, 0 in training)
     block    fine block size
-    returns  [batch_kv, seq_q, group, dim_head]
+    returns  out [batch_kv, seq_q, group, dim_head] and its log-sum-exp [batch_kv, seq_q, group],
+             so that partial attentions over disjoint key sets can be merged exactly
 
-    Keys after a query's own position are masked (-inf) even inside a selected block; every query
-    must have its own block selected, so no row is empty.
+    Keys after a query's own position are masked (-inf) even inside a selected block. A query with
+    no visible key gets zeros and a log-sum-exp of -inf (never NaN).
     """
     return _SelectedAttention.apply(q, k, v, indices, valid, start, block)
 
@@ -73,6 +75,11 @@ class _Rows:
         return ((self.key_pos[rows] <= self.positions[rows, None]) & self.valid[rows])[:, None]
 
 
+def _finite(lse: Tensor) -> Tensor:
+    """Log-sum-exp with empty rows (-inf) set to 0, so their probabilities come out 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def _accumulate(x: Tensor) -> Tensor:
     """Softmax statistics in fp32 at least (fp64 stays fp64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -92,14 +99,14 @@ class _SelectedAttention(torch.autograd.Function):
             scores = _accumulate(torch.bmm(qf[r], rows.gather(k_table, r).transpose(1, 2))) * scale
             scores = scores.masked_fill(~rows.allowed(r), float("-inf"))
             lse[r] = scores.logsumexp(-1)
-            probs = (scores - lse[r, :, None]).exp().to(q.dtype)
+            probs = (scores - _finite(lse[r])[..., None]).exp().to(q.dtype)
             out[r] = torch.bmm(probs, rows.gather(v_table, r))
         ctx.save_for_backward(q, k, v, indices, valid, out, lse)
         ctx.start, ctx.block = start, block
-        return out.view(bh, m, g, d)
+        return out.view(bh, m, g, d), lse.view(bh, m, g)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, indices, valid, out, lse = ctx.saved_tensors
         bh, m, g, d = q.shape
         scale = d**-0.5
@@ -108,11 +115,14 @@ class _SelectedAttention(torch.autograd.Function):
         dk_table, dv_table = torch.zeros_like(k_table), torch.zeros_like(v_table)
         qf, dof = q.reshape(bh * m, g, d), dout.reshape(bh * m, g, d)
         dq = torch.empty_like(qf)
+        # dS = P * (dP - rowsum(dO * O) + dlse): the log-sum-exp output adds its own gradient
         delta = (_accumulate(dof) * _accumulate(out)).sum(-1)  # [rows, g]
+        if dlse is not None:
+            delta = delta - _accumulate(dlse).reshape(bh * m, g)
         for r in rows.chunks():
             kg, vg = rows.gather(k_table, r), rows.gather(v_table, r)
             scores = _accumulate(torch.bmm(qf[r], kg.transpose(1, 2))) * scale
-            probs = (scores - lse[r, :, None]).exp().masked_fill(~rows.allowed(r), 0.0)
+            probs = (scores - _finite(lse[r])[..., None]).exp().masked_fill(~rows.allowed(r), 0.0)
             dprobs = _accumulate(torch.bmm(dof[r], vg.transpose(1, 2)))
             dscores = (probs * (dprobs - delta[r, :, None]) * scale).to(q.dtype)
             dq[r] = torch.bmm(dscores, kg)

@@ -45,23 +45,41 @@ def test_causal_by_gradient(t):
     assert grad[0, : t + 1].abs().max() > 0
 
 
-def test_all_blocks_selected_equals_dense_causal_attention():
+@pytest.mark.parametrize("n", [4, 37, 64])
+def test_all_blocks_selected_equals_dense_causal_attention(n):
     """With every block selected, the selected branch is dense causal attention; so is a window
     as long as the sequence."""
-    n, d = 37, 8
+    d = 8
     attn = NativeSparseAttention(dim=16, heads=4, dim_head=d, kv_heads=2, sliding_window_size=n,
-                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=10)
+                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=16)
     q = torch.randn(2, 2, 2, n, d)  # [batch, kv_heads, group, seq, dim_head]
     k, v = torch.randn(2, 2, n, d), torch.randn(2, 2, n, d)
     importance = torch.rand(2, 2, n, attn.compress_k.num_blocks(n))
-    indices, valid = attn._select(importance, 0, n)
-    from kernels.selected_attention import selected_attention
-
-    selected = selected_attention(q.permute(0, 1, 3, 2, 4).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
-                                  indices.flatten(0, 1), valid.flatten(0, 1), 0, 4)
     dense = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], is_causal=True)
-    torch.testing.assert_close(selected.view(2, 2, n, 2, d).permute(0, 1, 3, 2, 4), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn._selected(q, k, v, importance, 0), dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(attn._window(q, k, v, 0), dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("selected", [1, 2, 3, 5])
+def test_selected_branch_equals_masked_attention_over_the_chosen_blocks(selected):
+    """The tiled forced blocks merged with the gathered free blocks equal one softmax over the
+    union of the blocks, for every priority cut-off."""
+    n, d, l = 29, 8, 4
+    attn = NativeSparseAttention(dim=16, heads=2, dim_head=d, kv_heads=1, sliding_window_size=4,
+                                 compress_block_size=4, compress_stride=2, fine_block_size=l, num_fine_selected=selected)
+    q, k, v = torch.randn(1, 1, 2, n, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
+    importance = torch.rand(1, 1, n, attn.compress_k.num_blocks(n))
+    positions = torch.arange(n)
+    allowed = attn._forced_mask(positions, positions)
+    indices, valid = attn._select(importance, 0, n)
+    for s_ in range(indices.shape[-1]):
+        allowed |= ((positions[None] // l) == indices[0, 0, :, s_, None]) & valid[0, 0, :, s_, None]
+    allowed &= positions[None] <= positions[:, None]
+    expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=allowed)
+    torch.testing.assert_close(attn._selected(q, k, v, importance, 0), expected, rtol=1e-5, atol=1e-5)
+    blocks_per_query = F.pad(allowed, (0, (-n) % l)).view(n, -1, l).any(-1).sum(-1)
+    assert (blocks_per_query <= selected).all()
+    assert (blocks_per_query[-1] == min(selected, -(-n // l)))
 
 
 def test_window_sees_exactly_the_last_w_tokens():
@@ -97,13 +115,15 @@ def test_selection_forces_own_initial_and_previous_blocks():
     importance = torch.zeros(1, 1, n, attn.compress_k.num_blocks(n))
     importance[..., 5] = 1.0  # block 5 is the most important wherever it is visible
     indices, valid = attn._select(importance, 0, n)
+    positions = torch.arange(n)
+    forced = attn._forced_mask(positions, torch.arange(0, n, 4))  # [query, block]
     for t in (0, 5, 13, 27, 39):
-        chosen = set(indices[0, 0, t][valid[0, 0, t]].tolist())
         own = t // 4
-        assert {own, 0, max(own - 1, 0)} <= chosen
-        assert all(b <= own for b in chosen), "a future block was selected"
-        if own > 6:
-            assert 5 in chosen
+        assert set(forced[t].nonzero().flatten().tolist()) == {own, 0, max(own - 1, 0)}
+        free = set(indices[0, 0, t][valid[0, 0, t]].tolist())
+        assert not free & {own, 0, own - 1}, "a forced block was chosen twice"
+        assert all(b <= own for b in free), "a future block was selected"
+        assert (5 in free) == (own > 6)
 
 
 def test_cached_decoding_equals_parallel_forward():

@@ -18,7 +18,7 @@ def naive(q, k, v, indices, valid, start, block):
     allowed &= torch.arange(n)[None, None] <= positions[None, :, None]
     scores = torch.einsum("bmgd,bkd->bmgk", q, k) * q.shape[-1] ** -0.5
     scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
-    return torch.einsum("bmgk,bkd->bmgd", scores.softmax(-1), v)
+    return torch.einsum("bmgk,bkd->bmgd", scores.softmax(-1), v), scores.logsumexp(-1)
 
 
 def random_selection(bh, m, start, n, block, selected, gen):
@@ -52,12 +52,14 @@ def test_matches_naive_reference(bh, m, n, g, d, block, selected):
     v = torch.randn(bh, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
     start = n - m
     indices, valid = random_selection(bh, m, start, n, block, selected, gen)
-    out = selected_attention(q, k, v, indices, valid, start, block)
-    ref = naive(q, k, v, indices, valid, start, block)
+    out, lse = selected_attention(q, k, v, indices, valid, start, block)
+    ref, ref_lse = naive(q, k, v, indices, valid, start, block)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    grad = torch.randn_like(out)
-    for ours, theirs, name in zip(torch.autograd.grad(out, (q, k, v), grad),
-                                  torch.autograd.grad(ref, (q, k, v), grad), "qkv"):
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    grad, grad_lse = torch.randn_like(out), torch.randn_like(lse)  # the lse output has a gradient too
+    ours_all = torch.autograd.grad((out * grad).sum() + (lse * grad_lse).sum(), (q, k, v))
+    theirs_all = torch.autograd.grad((ref * grad).sum() + (ref_lse * grad_lse).sum(), (q, k, v))
+    for ours, theirs, name in zip(ours_all, theirs_all, "qkv"):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10, msg=f"d{name} differs")
 
 
@@ -74,7 +76,20 @@ def test_chunking_does_not_change_the_result(monkeypatch):
     for chunk in (1 << 20, 96):  # 96 elements: a single row per chunk
         monkeypatch.setattr(module, "_FORWARD_CHUNK", chunk)
         monkeypatch.setattr(module, "_BACKWARD_CHUNK", chunk)
-        out = selected_attention(q, k, v, indices, valid, 0, 4)
-        results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+        out, lse = selected_attention(q, k, v, indices, valid, 0, 4)
+        results.append((out, lse, *torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
+
+
+def test_query_with_no_visible_key_gets_zeros_and_finite_gradients():
+    """Free-block slots can all be unused early in a sequence: zeros, lse -inf, no NaN."""
+    q = torch.randn(1, 6, 2, 8, requires_grad=True)
+    k, v = torch.randn(1, 6, 8, requires_grad=True), torch.randn(1, 6, 8, requires_grad=True)
+    indices = torch.zeros(1, 6, 1, dtype=torch.long)
+    valid = torch.tensor([False, False, False, True, True, True])[None, :, None]
+    out, lse = selected_attention(q, k, v, indices, valid, 0, 4)
+    assert (out[0, :3] == 0).all() and (lse[0, :3] == float("-inf")).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[0, 3:]).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -111,12 +111,7 @@ class NativeSparseAttention(nn.Module):
             kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)
 
         out_cmp, importance = self._compressed(q, kc, vc, start)
-        indices, valid = self._select(importance, start, k_slc.shape[2])
-        out_slc = selected_attention(
-            rearrange(q_rot, "b h g n d -> (b h) n g d"), k_slc.flatten(0, 1), v_slc.flatten(0, 1),
-            indices.flatten(0, 1), valid.flatten(0, 1), start, self.fine_block,
-        )
-        out_slc = rearrange(out_slc, "(b h) n g d -> b h g n d", b=b)
+        out_slc = self._selected(q_rot, k_slc, v_slc, importance, start)
         out_win = self._window(q_rot, k_win, v_win, start)
 
         gates = torch.sigmoid(self.to_gates(x))  # [b, n, 3 * heads]
@@ -141,22 +136,86 @@ class NativeSparseAttention(nn.Module):
         out = torch.einsum("bhgnc,bhcd->bhgnd", probs, vc)
         return out, probs.sum(2)
 
+    def _selected(self, q: Tensor, k: Tensor, v: Tensor, importance: Tensor, start: int) -> Tensor:
+        """Attention over the selected fine blocks -> [b, h, g, n, d].
+
+        The forced blocks (own, initial, previous) are the same for every query of a fine block, so
+        they are attended tile by tile from contiguous keys; only the freely chosen blocks are
+        gathered per query. The two partial attentions cover disjoint blocks and are merged exactly
+        through their log-sum-exps."""
+        b = q.shape[0]
+        out_forced, lse_forced = self._forced_blocks(q, k, v, start)
+        indices, valid = self._select(importance, start, k.shape[2])
+        if indices.shape[-1] == 0:
+            return out_forced
+        out_free, lse_free = selected_attention(
+            rearrange(q, "b h g n d -> (b h) n g d"), k.flatten(0, 1), v.flatten(0, 1),
+            indices.flatten(0, 1), valid.flatten(0, 1), start, self.fine_block,
+        )
+        out_free = rearrange(out_free, "(b h) n g d -> b h g n d", b=b)
+        lse_free = rearrange(lse_free, "(b h) n g -> b h g n", b=b)
+        lse = torch.logaddexp(lse_forced, lse_free)
+        return (out_forced * (lse_forced - lse).exp()[..., None].to(q.dtype)
+                + out_free * (lse_free - lse).exp()[..., None].to(q.dtype))
+
+    def _num_forced(self) -> int:
+        return min(3, self.num_selected)
+
+    def _forced_mask(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
+        """[queries, keys]: key in the query's own block (at or before it), the initial block, or
+        the previous block, as many of these as num_fine_selected allows, in that priority."""
+        own = query_pos[:, None] // self.fine_block
+        key_block = (key_pos // self.fine_block)[None]
+        forced = key_block == own
+        if self._num_forced() >= 2:
+            forced |= key_block == 0
+        if self._num_forced() >= 3:
+            forced |= key_block == own - 1
+        return forced & (key_pos[None] <= query_pos[:, None]) & (key_pos[None] >= 0)
+
+    def _forced_blocks(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Attention over the forced blocks -> (out [b, h, g, n, d], log-sum-exp [b, h, g, n])."""
+        b, h, g, m, d = q.shape
+        l = self.fine_block
+        if start == 0 and m > l:  # training: one tile per fine block, keys [initial | previous | own]
+            pad = (-m) % l
+            qp, kp, vp = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+            nb = (m + pad) // l
+            qt = rearrange(qp, "b h g (c l) d -> b h c (g l) d", l=l)
+            kt, vt = (rearrange(t, "b h (c l) d -> b h c l d", l=l) for t in (kp, vp))
+            kt, vt = (torch.cat((t[:, :, :1].expand_as(t), F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :-1], t), dim=3)
+                      for t in (kt, vt))
+            tile = torch.arange(nb, device=q.device)
+            query_pos = tile[:, None] * l + torch.arange(l, device=q.device)  # [c, l]
+            key_pos = torch.cat((torch.arange(l, device=q.device)[None].expand(nb, l),
+                                 query_pos - l, query_pos), dim=1)  # [c, 3l]
+            mask = torch.stack([self._forced_mask(qp_, kp_) for qp_, kp_ in zip(query_pos, key_pos)])
+            # a block seen twice (the initial block is also the own or previous one early on) counts once
+            mask[:1, :, :l] = False  # tile 0: the initial block is the own block
+            mask[1:2, :, :l] = False  # tile 1: the initial block is the previous block
+            mask = mask.repeat(1, g, 1)  # [c, g * l, 3l]
+            out, lse = _masked_attention(qt, kt, vt, mask)
+            out = rearrange(out, "b h c (g l) d -> b h g (c l) d", g=g)[:, :, :, :m]
+            return out, rearrange(lse, "b h c (g l) -> b h g (c l)", g=g)[..., :m]
+        query_pos = torch.arange(start, start + m, device=q.device)
+        mask = self._forced_mask(query_pos, torch.arange(k.shape[2], device=q.device))
+        out, lse = _masked_attention(q.flatten(2, 3), k, v, mask.repeat(g, 1))
+        return out.view(b, h, g, m, d), lse.view(b, h, g, m)
+
     def _select(self, importance: Tensor, start: int, seq_k: int) -> tuple[Tensor, Tensor]:
-        """Top fine blocks per (batch, kv head, position): indices and validity [b, h, n, n_sel]."""
+        """The freely chosen fine blocks per (batch, kv head, position): the most important ones
+        besides the forced blocks, never in the future. -> indices, validity [b, h, n, free]"""
         m = importance.shape[2]
         num_fine = -(-seq_k // self.fine_block)
         overlap = _overlap(importance.shape[-1], num_fine, self.compress_k.block, self.compress_k.stride,
                            self.fine_block, importance.device, importance.dtype)
         scores = (importance.detach() @ overlap).float()  # [b, h, n, fine blocks]
-        current = torch.arange(start, start + m, device=scores.device) // self.fine_block  # [n]
-        fine = torch.arange(num_fine, device=scores.device)
-        # priority: own block, then the initial block, then the previous one; importance is at most
-        # `group`, so these bonuses rank the forced blocks first without masking anything
-        bonus = self.group + 1.0
-        forced = (3 * bonus * (fine == current[:, None]) + 2 * bonus * (fine == 0)
-                  + bonus * (fine == current[:, None] - 1))
-        scores = (scores + forced).masked_fill(fine > current[:, None], float("-inf"))
-        values, indices = scores.topk(min(self.num_selected, num_fine), dim=-1)
+        query_pos = torch.arange(start, start + m, device=scores.device)
+        fine_start = torch.arange(num_fine, device=scores.device) * self.fine_block
+        taken = self._forced_mask(query_pos, fine_start) | (fine_start[None] > query_pos[:, None])
+        scores = scores.masked_fill(taken, float("-inf"))
+        free = max(0, min(self.num_selected - self._num_forced(), num_fine))
+        values, indices = scores.topk(free, dim=-1)
         return indices, values > float("-inf")
 
     def _window(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
@@ -203,6 +262,16 @@ class NativeSparseAttention(nn.Module):
         cache["vc"] = torch.cat((cache["vc"], vc_new), dim=2) if start else vc_new
         cache["pos"] = total
         return (*(cache[name] for name in names), cache["kc"], cache["vc"])
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention with a boolean mask, also returning the log-sum-exp; rows with no visible
+    key give zeros and -inf. q [..., nq, d], k, v [..., nk, d], mask [..., nq, nk]."""
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = scores.logsumexp(-1)
+    probs = (scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None]).exp()
+    return probs.to(q.dtype) @ v, lse
 
 
 def _overlap(num_cmp: int, num_fine: int, block: int, stride: int, fine_block: int, device, dtype) -> Tensor:
