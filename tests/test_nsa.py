@@ -54,7 +54,7 @@ def test_all_blocks_selected_equals_dense_causal_attention(n):
                                  compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=16)
     q = torch.randn(2, 2, 2, n, d)  # [batch, kv_heads, group, seq, dim_head]
     k, v = torch.randn(2, 2, n, d), torch.randn(2, 2, n, d)
-    importance = torch.rand(2, 2, n, attn.compress_k.num_blocks(n))
+    importance = torch.rand(2, 2, n, -(-n // 4))  # [batch, kv_heads, seq, fine blocks]
     dense = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], is_causal=True)
     torch.testing.assert_close(attn._selected(q, k, v, importance, 0), dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(attn._window(q, k, v, 0), dense, rtol=1e-5, atol=1e-5)
@@ -68,10 +68,10 @@ def test_selected_branch_equals_masked_attention_over_the_chosen_blocks(selected
     attn = NativeSparseAttention(dim=16, heads=2, dim_head=d, kv_heads=1, sliding_window_size=4,
                                  compress_block_size=4, compress_stride=2, fine_block_size=l, num_fine_selected=selected)
     q, k, v = torch.randn(1, 1, 2, n, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
-    importance = torch.rand(1, 1, n, attn.compress_k.num_blocks(n))
+    importance = torch.rand(1, 1, n, -(-n // l))
     positions = torch.arange(n)
     allowed = attn._forced_mask(positions, positions)
-    indices, valid = attn._select(importance, 0, n)
+    indices, valid = attn._select(importance, 0)
     for s_ in range(indices.shape[-1]):
         allowed |= ((positions[None] // l) == indices[0, 0, :, s_, None]) & valid[0, 0, :, s_, None]
     allowed &= positions[None] <= positions[:, None]
@@ -99,22 +99,30 @@ def test_compressed_branch_sees_only_complete_blocks_and_never_nans():
     q = torch.randn(1, 1, 2, n, 8, requires_grad=True)
     kc = torch.randn(1, 1, attn.compress_k.num_blocks(n), 8, requires_grad=True)
     vc = torch.randn(1, 1, attn.compress_k.num_blocks(n), 8, requires_grad=True)
-    out, importance = attn._compressed(q, kc, vc, 0)
-    # block i covers tokens [2i, 2i + 3]: query t sees blocks with 2i + 3 <= t
+    out = attn._compressed(q, kc, vc, 0)
+    # compressed block i covers tokens [2i, 2i + 3]: query t sees the blocks with 2i + 3 <= t
     assert torch.equal(out[..., :3, :], torch.zeros_like(out[..., :3, :]))  # no complete block yet
-    assert (importance[0, 0, 3, 1:] == 0).all() and importance[0, 0, 3, 0] > 0
-    assert (importance[0, 0, 6, 2:] == 0).all()
+    visible = (torch.arange(kc.shape[2]) * 2 + 3)[None] <= torch.arange(n)[:, None]
+    expected = F.scaled_dot_product_attention(q[..., 3:, :], kc[:, :, None], vc[:, :, None], attn_mask=visible[3:])
+    torch.testing.assert_close(out[..., 3:, :], expected)
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, kc, vc))
+    # importance on fine blocks of 4 tokens: at t=3 only block 0 (tokens 0-3) is complete; at t=6,
+    # compressed blocks 0 and 1 (tokens 2-5) spread over fine blocks 0 and 1, nothing beyond
+    importance = attn._importance(q, kc, 0, n)
+    assert importance.shape == (1, 1, n, 3) and (importance[0, 0, :3] == 0).all()
+    assert importance[0, 0, 3, 0] > 0 and (importance[0, 0, 3, 1:] == 0).all()
+    assert (importance[0, 0, 6, :2] > 0).all() and importance[0, 0, 6, 2] == 0
+    torch.testing.assert_close(importance.sum(-1)[0, 0, 3:], torch.full((n - 3,), 2.0))  # 2 heads' mass
 
 
 def test_selection_forces_own_initial_and_previous_blocks():
     attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=4,
                                  compress_block_size=4, compress_stride=4, fine_block_size=4, num_fine_selected=4)
     n = 40
-    importance = torch.zeros(1, 1, n, attn.compress_k.num_blocks(n))
-    importance[..., 5] = 1.0  # block 5 is the most important wherever it is visible
-    indices, valid = attn._select(importance, 0, n)
+    importance = torch.zeros(1, 1, n, n // 4)
+    importance[..., 5] = 1.0  # fine block 5 is the most important wherever it is visible
+    indices, valid = attn._select(importance, 0)
     positions = torch.arange(n)
     forced = attn._forced_mask(positions, torch.arange(0, n, 4))  # [query, block]
     for t in (0, 5, 13, 27, 39):

@@ -10,7 +10,8 @@ l' = fine_block_size, n = num_fine_selected, w = sliding_window_size.
 - selected: block importance is the compressed-attention probability summed over the query heads
   of a GQA group and spread onto the fine blocks by token overlap; each position keeps its top n
   fine blocks, always including its own block, the initial block and the previous block (in that
-  order of priority). Keys after t inside its own block are masked.
+  order of priority). Keys after t inside its own block are masked. As in the paper, the choice
+  of blocks passes no gradient.
 - sliding window: the last w keys, t included.
 
 Each branch has its own keys and values (as the paper: no gradient shortcuts between branches);
@@ -110,8 +111,8 @@ class NativeSparseAttention(nn.Module):
         else:
             kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)
 
-        out_cmp, importance = self._compressed(q, kc, vc, start)
-        out_slc = self._selected(q_rot, k_slc, v_slc, importance, start)
+        out_cmp = self._compressed(q, kc, vc, start)
+        out_slc = self._selected(q_rot, k_slc, v_slc, self._importance(q, kc, start, k_slc.shape[2]), start)
         out_win = self._window(q_rot, k_win, v_win, start)
 
         gates = torch.sigmoid(self.to_gates(x))  # [b, n, 3 * heads]
@@ -121,20 +122,44 @@ class NativeSparseAttention(nn.Module):
 
     # ---- branches ------------------------------------------------------------------------------
 
-    def _compressed(self, q: Tensor, kc: Tensor, vc: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        """Attention over complete compressed blocks -> (out [b, h, g, n, d], importance
-        [b, h, n, blocks]: probabilities summed over the group)."""
-        m, nc = q.shape[3], kc.shape[2]
-        comp = self.compress_k
-        positions = torch.arange(start, start + m, device=q.device)
-        block_end = torch.arange(nc, device=q.device) * comp.stride + comp.block - 1
-        visible = block_end[None, :] <= positions[:, None]  # [n, blocks]
-        empty = ~visible.any(-1, keepdim=True)  # queries before the first complete block
-        scores = torch.einsum("bhgnd,bhcd->bhgnc", q, kc) * self.dim_head**-0.5
-        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
-        probs = torch.softmax(scores.float(), dim=-1).masked_fill(empty, 0.0).to(q.dtype)
-        out = torch.einsum("bhgnc,bhcd->bhgnd", probs, vc)
-        return out, probs.sum(2)
+    def _compressed_visible(self, start: int, m: int, num_blocks: int, device) -> Tensor:
+        """[queries, compressed blocks]: a block is visible once its last token is in the past."""
+        positions = torch.arange(start, start + m, device=device)
+        block_end = torch.arange(num_blocks, device=device) * self.compress_k.stride + self.compress_k.block - 1
+        return block_end[None, :] <= positions[:, None]
+
+    def _compressed(self, q: Tensor, kc: Tensor, vc: Tensor, start: int) -> Tensor:
+        """Attention over complete compressed blocks -> [b, h, g, n, d]. Queries before the first
+        complete block see nothing and get zeros; the rest go through fused attention."""
+        b, h, g, m, d = q.shape
+        first = min(m, max(0, self.compress_k.block - 1 - start))  # leading queries with no block
+        out = q.new_zeros(b, h, g, m, d)
+        if first < m:
+            visible = self._compressed_visible(start + first, m - first, kc.shape[2], q.device)
+            rows = q[:, :, :, first:].flatten(2, 3)  # the group joins the query axis: [b, h, g * n, d]
+            attended = F.scaled_dot_product_attention(rows, kc, vc, attn_mask=visible.repeat(g, 1))
+            out = torch.cat((out[:, :, :, :first], attended.view(b, h, g, m - first, d)), dim=3)
+        return out
+
+    @torch.no_grad()
+    def _importance(self, q: Tensor, kc: Tensor, start: int, seq_k: int) -> Tensor:
+        """Fine-block importance [b, h, n, fine blocks]: the compressed-attention probabilities,
+        summed over the query heads of a GQA group and spread onto fine blocks by token overlap.
+        Only ranks blocks (no gradient), so it is computed in chunks of queries without keeping
+        the [n, compressed blocks] probabilities."""
+        b, h, g, m, d = q.shape
+        num_fine = -(-seq_k // self.fine_block)
+        overlap = _overlap(kc.shape[2], num_fine, self.compress_k.block, self.compress_k.stride,
+                           self.fine_block, q.device, torch.float32)
+        scores = q.new_zeros(b, h, m, num_fine, dtype=torch.float32)
+        chunk = max(1, (1 << 22) // max(1, b * h * g * kc.shape[2]))
+        for c0 in range(0, m, chunk):
+            c1 = min(m, c0 + chunk)
+            visible = self._compressed_visible(start + c0, c1 - c0, kc.shape[2], q.device)
+            logits = torch.einsum("bhgnd,bhcd->bhgnc", q[:, :, :, c0:c1], kc).float() * d**-0.5
+            probs = logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num_(0.0)  # no block: 0
+            scores[:, :, c0:c1] = probs.sum(2) @ overlap
+        return scores
 
     def _selected(self, q: Tensor, k: Tensor, v: Tensor, importance: Tensor, start: int) -> Tensor:
         """Attention over the selected fine blocks -> [b, h, g, n, d].
@@ -145,7 +170,7 @@ class NativeSparseAttention(nn.Module):
         through their log-sum-exps."""
         b = q.shape[0]
         out_forced, lse_forced = self._forced_blocks(q, k, v, start)
-        indices, valid = self._select(importance, start, k.shape[2])
+        indices, valid = self._select(importance, start)
         if indices.shape[-1] == 0:
             return out_forced
         out_free, lse_free = selected_attention(
@@ -202,18 +227,15 @@ class NativeSparseAttention(nn.Module):
         out, lse = _masked_attention(q.flatten(2, 3), k, v, mask.repeat(g, 1))
         return out.view(b, h, g, m, d), lse.view(b, h, g, m)
 
-    def _select(self, importance: Tensor, start: int, seq_k: int) -> tuple[Tensor, Tensor]:
+    def _select(self, importance: Tensor, start: int) -> tuple[Tensor, Tensor]:
         """The freely chosen fine blocks per (batch, kv head, position): the most important ones
-        besides the forced blocks, never in the future. -> indices, validity [b, h, n, free]"""
-        m = importance.shape[2]
-        num_fine = -(-seq_k // self.fine_block)
-        overlap = _overlap(importance.shape[-1], num_fine, self.compress_k.block, self.compress_k.stride,
-                           self.fine_block, importance.device, importance.dtype)
-        scores = (importance.detach() @ overlap).float()  # [b, h, n, fine blocks]
-        query_pos = torch.arange(start, start + m, device=scores.device)
-        fine_start = torch.arange(num_fine, device=scores.device) * self.fine_block
+        (importance [b, h, n, fine blocks]) besides the forced blocks, never in the future.
+        -> indices, validity [b, h, n, free]"""
+        m, num_fine = importance.shape[2], importance.shape[3]
+        query_pos = torch.arange(start, start + m, device=importance.device)
+        fine_start = torch.arange(num_fine, device=importance.device) * self.fine_block
         taken = self._forced_mask(query_pos, fine_start) | (fine_start[None] > query_pos[:, None])
-        scores = scores.masked_fill(taken, float("-inf"))
+        scores = importance.masked_fill(taken, float("-inf"))
         free = max(0, min(self.num_selected - self._num_forced(), num_fine))
         values, indices = scores.topk(free, dim=-1)
         return indices, values > float("-inf")
