@@ -92,7 +92,6 @@ class TransformerConfig:
     ff_mult: float = 4.0
     attn_dropout: float = 0.0
     ff_dropout: float = 0.0
-    max_seq_len: int = "${data.seq_len}"  # type: ignore[assignment]
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Language-model builders: the backbone with one attention variant each.
 
 Each builder takes the flat keyword arguments of its config (conf/model/<name>.yaml), so every
-knob is `model.<knob>` on the command line, and passes the attention's own knobs to its factory.
+knob is `model.<knob>` on the command line. The attention's own knobs go to its factory; the rest
+(`num_tokens`, `dim`, `depth`, `ff_mult`, `ff_dropout`) go to the backbone unchanged.
 """
 
 from functools import partial
@@ -11,38 +12,15 @@ from models.attention.nsa import NativeSparseAttention
 from models.transformer import TransformerLM
 
 
-def transformer_lm(
-    *,
-    num_tokens: int,
-    dim: int,
-    depth: int,
-    heads: int,
-    dim_head: int,
-    max_seq_len: int,
-    ff_mult: float = 4.0,
-    attn_dropout: float = 0.0,
-    ff_dropout: float = 0.0,
-) -> TransformerLM:
-    attention = partial(DenseAttention, dim=dim, heads=heads, dim_head=dim_head, dropout=attn_dropout)
-    return TransformerLM(
-        num_tokens=num_tokens,
-        dim=dim,
-        depth=depth,
-        attention=attention,
-        max_seq_len=max_seq_len,
-        ff_mult=ff_mult,
-        ff_dropout=ff_dropout,
-    )
+def transformer_lm(*, heads: int, dim_head: int, attn_dropout: float = 0.0, **backbone) -> TransformerLM:
+    attention = partial(DenseAttention, dim=backbone["dim"], heads=heads, dim_head=dim_head, dropout=attn_dropout)
+    return TransformerLM(attention=attention, **backbone)
 
 
 def nsa_lm(
     *,
-    num_tokens: int,
-    dim: int,
-    depth: int,
     heads: int,
     dim_head: int,
-    max_seq_len: int,
     kv_heads: int,
     sliding_window_size: int,
     compress_block_size: int,
@@ -51,13 +29,12 @@ def nsa_lm(
     num_fine_selected: int,
     compress_hidden_mult: float = 1.0,
     kernel="auto",
-    ff_mult: float = 4.0,
     attn_dropout: float = 0.0,
-    ff_dropout: float = 0.0,
+    **backbone,
 ) -> TransformerLM:
     attention = partial(
         NativeSparseAttention,
-        dim=dim,
+        dim=backbone["dim"],
         heads=heads,
         dim_head=dim_head,
         kv_heads=kv_heads,
@@ -70,12 +47,4 @@ def nsa_lm(
         dropout=attn_dropout,
         kernel=getattr(kernel, "value", kernel),
     )
-    return TransformerLM(
-        num_tokens=num_tokens,
-        dim=dim,
-        depth=depth,
-        attention=attention,
-        max_seq_len=max_seq_len,
-        ff_mult=ff_mult,
-        ff_dropout=ff_dropout,
-    )
+    return TransformerLM(attention=attention, **backbone)

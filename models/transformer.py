@@ -59,13 +59,11 @@ class TransformerLM(nn.Module):
         dim: int,
         depth: int,
         attention: AttentionFactory,
-        max_seq_len: int,
         ff_mult: float = 4.0,
         ff_dropout: float = 0.0,
     ):
         super().__init__()
         self.num_tokens = num_tokens
-        self.max_seq_len = max_seq_len
         self.token_emb = nn.Embedding(num_tokens, dim)
         self.blocks = nn.ModuleList(
             Block(dim, attention(), FeedForward(dim, ff_mult, ff_dropout)) for _ in range(depth)

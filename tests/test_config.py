@@ -67,7 +67,6 @@ def test_default_is_nsa_on_the_builtin_corpus(compose):
     cfg = compose()
     assert cfg.model._target_ == "models.lm.nsa_lm"
     assert cfg.data._target_ == "experiments.data.ByteText" and cfg.data.path is None
-    assert cfg.model.max_seq_len == cfg.data.seq_len
 
 
 def test_misspelt_key_fails_naming_it(compose):

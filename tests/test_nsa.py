@@ -14,7 +14,7 @@ KNOBS = dict(kv_heads=2, sliding_window_size=8, compress_block_size=4, compress_
 def tiny_nsa(**overrides):
     torch.manual_seed(0)
     knobs = {**KNOBS, **overrides}
-    return nsa_lm(num_tokens=64, dim=32, depth=2, heads=4, dim_head=8, max_seq_len=128, **knobs).eval()
+    return nsa_lm(num_tokens=64, dim=32, depth=2, heads=4, dim_head=8, **knobs).eval()
 
 
 @pytest.mark.parametrize("t", [0, 2, 3, 4, 7, 8, 15, 16, 30, 45])

@@ -34,6 +34,7 @@ def test_a_few_steps_write_every_file_of_the_run_directory(tmp_path):
     assert "=== generated" in (run / "samples/step_0000006.txt").read_text()
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
     steps = ["trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.validate_every=0"]
     train(tmp_path / "whole", *steps)
@@ -56,6 +57,7 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
     assert read_summary(tmp_path / "killed")["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
     run = tmp_path / "run"
     proc = start_train(run, "trainer.max_steps=100000", "trainer.checkpoint_every=0", "trainer.validate_every=0")
@@ -70,6 +72,7 @@ def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
     assert len(saved) == 1 and int(saved[0].stem.split("_")[1]) == summary["step"] >= 3
 
 
+@pytest.mark.slow
 def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY_NSA, "trainer.max_steps=2",
@@ -82,6 +85,7 @@ def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
     assert failed["status"] == "failed" and "multiple of kv_heads" in failed["error"]
 
 
+@pytest.mark.slow
 def test_two_job_sweep_of_the_issue_leaves_two_directories(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY, "model=transformer",

@@ -8,7 +8,7 @@ from models.sampling import filter_top_k, generate, sample
 
 def tiny_dense(**kw):
     torch.manual_seed(0)
-    return transformer_lm(num_tokens=64, dim=32, depth=2, heads=2, dim_head=16, max_seq_len=64, **kw).eval()
+    return transformer_lm(num_tokens=64, dim=32, depth=2, heads=2, dim_head=16, **kw).eval()
 
 
 def test_logits_shape():
