@@ -28,6 +28,11 @@ class LocalBackend:
         if requested == "auto":
             requested = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(requested)
+        slot = parallel_job_slot()
+        if self.device.type == "cuda" and slot is not None:  # one GPU per parallel sweep job
+            self.device = torch.device("cuda", slot % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+            log.info("parallel sweep job: running on %s", self.device)
         self.precision = trainer.precision.value
         if self.precision == "fp16" and self.device.type != "cuda":
             raise UserError("trainer.precision=fp16 needs a CUDA device: use bf16 or fp32 on the CPU")
@@ -68,3 +73,19 @@ class LocalBackend:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def parallel_job_slot():
+    """The job number modulo the number of parallel jobs, when a parallel launcher (joblib) runs
+    this sweep job; None otherwise."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except (ImportError, ValueError):
+        return None
+    launcher = hc.launcher.get("_target_", "") if hc.launcher else ""
+    if "joblib" not in launcher.lower():
+        return None
+    n_jobs = int(hc.launcher.get("n_jobs", 1) or 1)
+    return int(hc.job.num) % max(1, n_jobs)

@@ -139,7 +139,8 @@ class LanguageModelTask:
                 logits = model(batch[:, :-1])
             losses.append(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).item())
         val_loss = self.backend.all_reduce_mean(sum(losses) / len(losses))
-        row = {"step": step, "val_loss": round(val_loss, 5), "val_bpc": round(val_loss / math.log(2), 5)}
+        row = {"step": step, "val_loss": round(val_loss, 5), "val_bpc": round(val_loss / math.log(2), 5),
+               "wall_s": round(self.run.wall_s(), 2)}
         self.run.log_metrics(row)
         self.tracker.log(row, step)
         best = min(self.run.summary.get("best_val_loss", float("inf")), val_loss)
@@ -208,7 +209,8 @@ class LanguageModelTask:
         _set_rng_state(state["rng"])
         step = int(state["step"])
         self.run.continue_wall_clock(float(state["wall_s"]))
-        self.run.update_summary(**{k: v for k, v in state["summary"].items() if k not in ("status", "error")})
+        earlier = {k: v for k, v in state["summary"].items() if k not in ("status", "error", "pid", "host")}
+        self.run.update_summary(**earlier)
         self.run.truncate_metrics(step)
         log.info("resumed from %s at step %d", path, step)
         return step

@@ -8,7 +8,9 @@ failed job is recorded and the sweep goes on; a single run exits non-zero with o
 
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -130,6 +132,9 @@ class Run:
 
     def __enter__(self) -> "Run":
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:  # until the end says otherwise: "running", with who runs it (for review)
+            self.summary.update(pid=os.getpid(), host=socket.gethostname())
+            self.write_summary("running")
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._handlers[sig] = signal.signal(sig, self._request_stop)
@@ -156,7 +161,7 @@ class Run:
         else:
             log.error("run failed:\n%s", "".join(traceback.format_exception(exc_type, exc, tb)))
         if self.multirun:  # the sweep goes on; this job's summary says what went wrong
-            self.result = float("nan")
+            self.result = None  # a sweeper (Optuna) records a trial without a value as failed
             return True
         if known:
             sys.exit(f"error: {message}")

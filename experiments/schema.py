@@ -201,14 +201,20 @@ class LanguageModelTaskConfig:
     top_k: Optional[int] = 32  # null: the full distribution
 
 
-def job_subdir(task_overrides: Any, seed: Any) -> str:
+def job_subdir(task_overrides: Any, seed: Any, sweeper_params: Any = None, job_num: Any = None) -> str:
     """A sweep job's directory: the values of the swept keys (not every override on the command
-    line), then the seed as its own last level, e.g. `model.num_fine_selected=4/seed=1`."""
+    line), then the seed as its own last level, e.g. `model.num_fine_selected=4/seed=1`. A sweeper
+    that picks values itself (Optuna) may pick the same ones twice, so its jobs lead with
+    `trial=<job number>`."""
     swept = _swept_keys(sys.argv[1:])
+    if swept is not None and sweeper_params:
+        swept |= set(sweeper_params)
     parts = sorted(
         o.replace("/", "_") for o in task_overrides
         if (key := o.split("=", 1)[0].lstrip("+~")) != "trainer.seed" and (swept is None or key in swept)
     )
+    if sweeper_params:
+        parts.insert(0, f"trial={job_num}")
     name = ",".join(parts)
     return f"{name}/seed={seed}" if name else f"seed={seed}"
 

@@ -1,0 +1,387 @@
+"""Compare run directories: a table, review.md and plots.
+
+    python -m experiments.review outputs/multirun/2026-11-22/10-00-00
+    python -m experiments.review outputs/ --metric val_loss --format csv
+
+PATH is a sweep directory, a run directory, or any folder of them (searched recursively). Each
+run is named by the overrides that distinguish it from the others (read from
+.hydra/overrides.yaml), ranked by its best validation metric, and shown with its status: failed
+and interrupted runs with the first line of their error, runs still going with their latest
+figures. Runs on different data (their data_fingerprint) are ranked separately, never together.
+review.md and the PNG plots are written beside the reviewed directory (or into --out).
+"""
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+STALE_S = 600  # a run without a summary and no metrics written for this long was killed
+
+COLUMNS = ["run", "status", "step", "best", "final", "tokens_per_s", "peak_mem_mb", "params", "wall_s"]
+
+
+@dataclass
+class RunRecord:
+    path: Path
+    overrides: dict
+    summary: dict
+    metrics: list = field(default_factory=list)
+    name: str = ""
+
+    @property
+    def status(self) -> str:
+        status = self.summary.get("status")
+        if status == "running" and not _alive(self.summary):
+            return "interrupted"  # its process is gone: killed
+        if status is None:
+            fresh = (self.path / "metrics.jsonl").exists() and time.time() - (self.path / "metrics.jsonl").stat().st_mtime < STALE_S
+            return "running" if fresh else "interrupted"
+        return status
+
+    @property
+    def fingerprint(self) -> Optional[str]:
+        return self.summary.get("data_fingerprint")  # None: it failed before loading its data
+
+    @property
+    def error(self) -> Optional[str]:
+        error = self.summary.get("error")
+        return error.strip().splitlines()[0] if error else None
+
+    def curve(self, metric: str) -> list[tuple[int, float, Optional[float]]]:
+        """(step, value, wall_s) of every validation row holding the metric."""
+        return [(r["step"], r[metric], r.get("wall_s")) for r in self.metrics if metric in r]
+
+    def best(self, metric: str) -> Optional[float]:
+        values = [v for _, v, _ in self.curve(metric)]
+        return min(values) if values else None
+
+    def final(self, metric: str) -> Optional[float]:
+        values = [v for _, v, _ in self.curve(metric)]
+        return values[-1] if values else None
+
+    def latest(self, key: str):
+        """The summary's figure, or for a run still going, the newest row that has it."""
+        if key in self.summary and self.summary[key] is not None:
+            return self.summary[key]
+        rows = [r[key] for r in self.metrics if key in r]
+        return rows[-1] if rows else None
+
+    def row(self, metric: str) -> dict:
+        step = self.summary.get("step") if self.status != "running" else None
+        if step is None:
+            steps = [r["step"] for r in self.metrics]
+            step = max(steps) if steps else 0
+        return {
+            "run": self.name,
+            "status": self.status,
+            "step": step,
+            "best": self.best(metric),
+            "final": self.final(metric),
+            "tokens_per_s": self.latest("tokens_per_s"),
+            "peak_mem_mb": self.summary.get("peak_mem_mb"),
+            "params": self.summary.get("params"),
+            "wall_s": self.summary.get("wall_s") if self.status != "running" else self.latest("wall_s"),
+            "error": self.error,
+            "data": self.fingerprint or "-",
+            "path": str(self.path),
+        }
+
+
+def find_runs(paths: list[Path]) -> list[RunRecord]:
+    found = {}
+    for root in paths:
+        candidates = [root] if _is_run(root) else [p.parent.parent for p in root.rglob(".hydra/overrides.yaml")]
+        for path in candidates:
+            if _is_run(path):
+                found[path.resolve()] = load_run(path)
+    runs = sorted(found.values(), key=lambda r: str(r.path))
+    name_runs(runs)
+    return runs
+
+
+def _is_run(path: Path) -> bool:
+    return (path / ".hydra" / "overrides.yaml").is_file() and (
+        (path / "summary.json").is_file() or (path / "metrics.jsonl").is_file()
+    )
+
+
+def load_run(path: Path) -> RunRecord:
+    overrides = {}
+    for item in yaml.safe_load((path / ".hydra" / "overrides.yaml").read_text()) or []:
+        key, _, value = str(item).partition("=")
+        if not key.lstrip("+~").startswith("hydra."):
+            overrides[key.lstrip("+~")] = value
+    summary = {}
+    if (path / "summary.json").is_file():
+        try:
+            summary = json.loads((path / "summary.json").read_text())
+        except json.JSONDecodeError:
+            summary = {}
+    metrics = []
+    if (path / "metrics.jsonl").is_file():
+        for line in (path / "metrics.jsonl").read_text().splitlines():
+            try:
+                metrics.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line torn by a kill
+    return RunRecord(path, overrides, summary, metrics)
+
+
+def name_runs(runs: list[RunRecord]) -> None:
+    """Name each run by the overrides whose values differ across the runs (seed last)."""
+    keys = sorted({k for r in runs for k in r.overrides})
+    varying = [k for k in keys if len({r.overrides.get(k) for r in runs}) > 1]
+    varying.sort(key=lambda k: (k == "trainer.seed", k))
+    for r in runs:
+        parts = [f"{k}={r.overrides[k]}" for k in varying if k in r.overrides]
+        r.name = " ".join(parts) or r.path.name
+
+
+def configuration(run: RunRecord) -> str:
+    """The run's name without its seed: seed repeats share it."""
+    return " ".join(p for p in run.name.split(" ") if not p.startswith("trainer.seed=")) or "(all)"
+
+
+def rank(runs: list[RunRecord], metric: str, sort: str) -> dict[str, list[dict]]:
+    """Rows grouped by data fingerprint, each group sorted (missing values last). Runs that never
+    loaded data join the only group there is, or a group of their own."""
+    known = {r.fingerprint for r in runs if r.fingerprint}
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        key = r.fingerprint or (next(iter(known)) if len(known) == 1 else "no data loaded")
+        groups.setdefault(key, []).append(r.row(metric))
+    descending = sort in ("tokens_per_s",)
+    for rows in groups.values():
+        rows.sort(key=lambda row: (row[sort] is None, -(row[sort] or 0) if descending else (row[sort] if row[sort] is not None else 0)))
+    return groups
+
+
+def seed_statistics(runs: list[RunRecord], metric: str) -> list[dict]:
+    """Mean and spread of the best metric over seeds, for configurations run with several."""
+    by_config: dict[tuple, list[float]] = {}
+    for r in runs:
+        best = r.best(metric)
+        if best is not None and r.status == "completed":
+            by_config.setdefault((r.fingerprint, configuration(r)), []).append(best)
+    out = []
+    for (fingerprint, config), values in sorted(by_config.items(), key=lambda kv: statistics.mean(kv[1])):
+        if len(values) > 1:
+            out.append({"configuration": config, "seeds": len(values), "mean": statistics.mean(values),
+                        "std": statistics.stdev(values), "min": min(values), "max": max(values), "data": fingerprint})
+    return out
+
+
+# ---- formatting ------------------------------------------------------------------------------
+
+
+def _fmt(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if key in ("best", "final", "mean", "std", "min", "max"):
+        return f"{value:.4f}"
+    if key == "tokens_per_s":
+        return f"{value:,.0f}"
+    if key == "peak_mem_mb":
+        return f"{value:,.0f}"
+    if key == "params":
+        return f"{value / 1e6:.2f}M"
+    if key == "wall_s":
+        return f"{value:.0f}s"
+    return str(value)
+
+
+def _headers(metric: str) -> list[str]:
+    return ["run", "status", "step", f"best {metric}", f"final {metric}", "tokens/s", "peak MB", "params", "wall"]
+
+
+def text_table(groups: dict[str, list[dict]], metric: str, markdown: bool) -> str:
+    out = []
+    for fingerprint, rows in groups.items():
+        if len(groups) > 1:
+            out.append(f"{'### ' if markdown else ''}data {fingerprint} (ranked on its own: other runs saw other data)\n")
+        cells = [[_fmt(c, row[c]) for c in COLUMNS] for row in rows]
+        headers = _headers(metric)
+        if markdown:
+            out.append("| " + " | ".join(headers) + " |")
+            out.append("|" + "|".join("---" for _ in headers) + "|")
+            out.extend("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells)
+        else:
+            widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+            out.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+            out.append("  ".join("-" * w for w in widths))
+            out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)
+        problems = [row for row in rows if row["error"] or row["status"] in ("interrupted", "running")]
+        if problems:
+            out.append("")
+            for row in problems:
+                what = row["error"] or ("still running" if row["status"] == "running" else "killed before it finished")
+                out.append(f"{'- ' if markdown else '  '}{row['run']}: {row['status']}: {what}")
+        out.append("")
+    return "\n".join(out)
+
+
+def seed_table(stats: list[dict], metric: str, markdown: bool) -> str:
+    if not stats:
+        return ""
+    lines = [f"{'## ' if markdown else ''}best {metric} over seeds", ""]
+    for s in stats:
+        text = f"{s['configuration']}: {s['mean']:.4f} ± {s['std']:.4f} over {s['seeds']} seeds (min {s['min']:.4f}, max {s['max']:.4f})"
+        lines.append(("- " if markdown else "  ") + text)
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(groups: dict[str, list[dict]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS + ["error", "data", "path"])
+    writer.writeheader()
+    for rows in groups.values():
+        writer.writerows(rows)
+    return buffer.getvalue()
+
+
+# ---- plots -------------------------------------------------------------------------------------
+
+
+def plot(runs: list[RunRecord], groups: dict[str, list[dict]], metric: str, out_dir: Path) -> list[Path]:
+    """Validation curves by step and by wall-clock time; quality against speed with its Pareto front."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for r in runs:
+        curve = r.curve(metric)
+        if not curve:
+            continue
+        steps, values, walls = zip(*curve)
+        style = "-" if r.status == "completed" else "--"
+        axes[0].plot(steps, values, style, marker=".", label=r.name)
+        if all(w is not None for w in walls):
+            axes[1].plot(walls, values, style, marker=".", label=r.name)
+    for ax, xlabel in zip(axes, ("step", "wall-clock seconds")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"validation {metric} by step")
+    axes[1].set_title(f"validation {metric} by time")
+    if any(r.curve(metric) for r in runs):
+        axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    written.append(out_dir / "val_curves.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for fingerprint, rows in groups.items():
+        points = [(row["tokens_per_s"], row["best"], row["run"]) for row in rows
+                  if row["tokens_per_s"] is not None and row["best"] is not None]
+        if not points:
+            continue
+        ax.scatter([p[0] for p in points], [p[1] for p in points], label=fingerprint if len(groups) > 1 else None)
+        for x, y, name in points:
+            ax.annotate(name, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        front = pareto_front([(x, y) for x, y, _ in points])
+        ax.plot([p[0] for p in front], [p[1] for p in front], "r--o", markerfacecolor="none", markersize=11,
+                label="Pareto front" if fingerprint == next(iter(groups)) else None)
+    ax.set_xlabel("training tokens/s (higher is better)")
+    ax.set_ylabel(f"best {metric} (lower is better)")
+    ax.set_title("quality against speed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out_dir / "quality_vs_speed.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    return written
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points no other point beats on both speed (higher) and metric (lower), by speed."""
+    front = []
+    for x, y in sorted(points, key=lambda p: (-p[0], p[1])):
+        if not front or y < front[-1][1]:
+            front.append((x, y))
+    return sorted(front)
+
+
+# ---- command -----------------------------------------------------------------------------------
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", type=Path)
+    parser.add_argument("--metric", default="val_bpc", help="validation metric to rank by (val_bpc, val_loss)")
+    parser.add_argument("--sort", default="best", choices=COLUMNS, help="column to sort by (default: best metric)")
+    parser.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
+    parser.add_argument("--out", type=Path, help="where review.md and the plots go (default: beside the first path)")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+
+    missing = [p for p in args.paths if not p.exists()]
+    if missing:
+        print(f"error: no such path: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    runs = find_runs(args.paths)
+    if not runs:
+        print(f"error: no run directories (with .hydra/overrides.yaml and metrics.jsonl or summary.json) under "
+              f"{', '.join(map(str, args.paths))}", file=sys.stderr)
+        return 1
+    metric = args.metric
+    if metric == "val_bpc" and not any(r.curve("val_bpc") for r in runs) and any(r.curve("val_loss") for r in runs):
+        metric = "val_loss"  # runs that are not byte-level report no bits per byte
+    groups = rank(runs, metric, args.sort)
+    stats = seed_statistics(runs, metric)
+    fingerprints = {r.fingerprint for r in runs if r.fingerprint}
+    if len(fingerprints) > 1:
+        print(f"warning: these runs saw {len(fingerprints)} different data sets; each is ranked on its own",
+              file=sys.stderr)
+
+    if args.format == "json":
+        print(json.dumps({"metric": metric, "groups": groups, "over_seeds": stats}, indent=2, default=str))
+    elif args.format == "csv":
+        print(csv_text(groups), end="")
+    else:
+        markdown = args.format == "markdown"
+        print(text_table(groups, metric, markdown) + seed_table(stats, metric, markdown), end="")
+
+    out_dir = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pictures = [] if args.no_plots else plot(runs, groups, metric, out_dir)
+    report = [f"# Review of {', '.join(map(str, args.paths))}", "", f"{len(runs)} runs, ranked by best {metric}.", "",
+              text_table(groups, metric, markdown=True), seed_table(stats, metric, markdown=True)]
+    report += [f"![{p.stem}]({p.name})\n" for p in pictures]
+    (out_dir / "review.md").write_text("\n".join(report))
+    print(f"\nwrote {out_dir / 'review.md'}" + "".join(f", {p.name}" for p in pictures), file=sys.stderr)
+    return 0
+
+
+def _alive(summary: dict) -> bool:
+    """Whether the process a "running" summary names still runs (on this host; elsewhere: assume so)."""
+    pid, host = summary.get("pid"), summary.get("host")
+    if pid is None or host != socket.gethostname():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
