@@ -188,8 +188,11 @@ class LanguageModelTask:
         """Load the checkpoint trainer.resume names; returns the step to continue from."""
         spec = self.trainer.resume
         own = checkpoint.latest(self.run.checkpoint_dir)
+        if own is None:  # a new run in this directory: its .hydra files are the ones to keep
+            self.run.keep_hydra_files()
         if spec == "never":
             if own is not None:
+                self.run.restore_hydra_files()
                 raise UserError(
                     f"{self.run.dir} already holds checkpoints and trainer.resume=never would overwrite this "
                     "run: choose a new hydra.run.dir, or trainer.resume=auto to continue it"
@@ -225,6 +228,7 @@ class LanguageModelTask:
             if saved.get(section, {}).get(key) != current.get(section, {}).get(key)
         ]
         if differ and self.trainer.resume == "auto":
+            self.run.restore_hydra_files()  # the run's own config, not the refused one
             raise UserError(
                 f"{path} was trained with a different config ({', '.join(differ)} differ), so this run "
                 "cannot continue it: use a new hydra.run.dir, or pass the same overrides as before"

@@ -9,6 +9,7 @@ failed job is recorded and the sweep goes on; a single run exits non-zero with o
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -59,7 +60,7 @@ class Run:
             out,
             # a sweep job is named by its swept values (its path in the sweep), a run by its time
             name=str(out.relative_to(Path(hc.sweep.dir).absolute())) if multirun else out.name,
-            group=Path(hc.sweep.dir).name if multirun else None,
+            group="/".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None,  # <date>/<time>
             choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")},
             multirun=multirun,
             is_main=is_main,
@@ -106,6 +107,21 @@ class Run:
             self.samples_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, text)
         return path
+
+    def keep_hydra_files(self) -> None:
+        """Copy the first session's .hydra/*.yaml aside: Hydra rewrites them on every start, even
+        for a resume that is then refused, and they must keep describing this run."""
+        hydra_dir, original = self.dir / ".hydra", self.dir / ".hydra" / "original"
+        if self.is_main and hydra_dir.is_dir() and not original.exists():
+            original.mkdir()
+            for path in hydra_dir.glob("*.yaml"):
+                shutil.copy2(path, original / path.name)
+
+    def restore_hydra_files(self) -> None:
+        original = self.dir / ".hydra" / "original"
+        if self.is_main and original.is_dir():
+            for path in original.glob("*.yaml"):
+                shutil.copy2(path, self.dir / ".hydra" / path.name)
 
     def update_summary(self, **fields: Any) -> None:
         self.summary.update(fields)

@@ -131,8 +131,10 @@ def test_resuming_with_another_model_is_refused_without_losing_anything(tmp_path
     run = tmp_path / "run"
     train(run, "trainer.max_steps=2")
     before = (run / "checkpoints" / "step_0000002.pt").read_bytes()
+    config_before = (run / ".hydra" / "config.yaml").read_text()
     assert "model.depth differ" in _fails(run, "trainer.max_steps=2", "model.depth=2")
     assert (run / "checkpoints" / "step_0000002.pt").read_bytes() == before
+    assert (run / ".hydra" / "config.yaml").read_text() == config_before  # still describes this run
     assert read_summary(run)["status"] == "failed"
     assert len([r for r in read_metrics(run) if "loss" in r]) == 2
 
