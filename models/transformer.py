@@ -6,7 +6,8 @@ An attention is any module built by a zero-argument factory with
 
 `cache` is the layer's own dict for incremental decoding: the attention stores whatever it needs
 in it (keys, values, the position reached) and must return, for the new tokens, exactly what the
-parallel forward pass returns at their positions. An attention may expose `aux_loss` (a scalar
+parallel forward pass returns at their positions. `truncate_cache(cache, length)` rolls the dict
+back to its first `length` positions. An attention may expose `aux_loss` (a scalar
 tensor set during forward), which the backbone sums into `TransformerLM.aux_loss()`.
 """
 
@@ -81,6 +82,11 @@ class TransformerLM(nn.Module):
     def new_cache(self) -> list:
         """One empty dict per layer, filled by the attentions as decoding proceeds."""
         return [{} for _ in self.blocks]
+
+    def truncate_cache(self, cache: list, length: int) -> None:
+        """Forget every cached position from `length` on (speculative decoding's rollback)."""
+        for block, layer_cache in zip(self.blocks, cache):
+            block.attn.truncate_cache(layer_cache, length)
 
     def aux_loss(self) -> Tensor:
         """Sum of the auxiliary losses the attentions set in the last forward (0 if none)."""

@@ -37,3 +37,8 @@ class DenseAttention(nn.Module):
             mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril(total - n)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+    @staticmethod
+    def truncate_cache(cache: dict, length: int) -> None:
+        if cache.get("pos", 0) > length:
+            cache.update(k=cache["k"][:, :, :length], v=cache["v"][:, :, :length], pos=length)

@@ -270,6 +270,11 @@ class NativeSparseAttention(nn.Module):
 
     # ---- cache ---------------------------------------------------------------------------------
 
+    def truncate_cache(self, cache: dict, length: int) -> None:
+        """Roll back to the first `length` positions (compressed blocks completed after it go too)."""
+        if cache.get("pos", 0) > length:
+            _truncate(cache, length, self.compress_k.num_blocks(length))
+
     def _extend_cache(self, cache: dict, start: int, m: int, *new: Tensor):
         """Append the new raw keys and values of every branch; compress blocks completed by them."""
         names = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")
@@ -284,6 +289,13 @@ class NativeSparseAttention(nn.Module):
         cache["vc"] = torch.cat((cache["vc"], vc_new), dim=2) if start else vc_new
         cache["pos"] = total
         return (*(cache[name] for name in names), cache["kc"], cache["vc"])
+
+
+def _truncate(cache: dict, length: int, blocks: int) -> None:
+    for name in ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"):
+        cache[name] = cache[name][:, :, :length]
+    cache["kc"], cache["vc"] = cache["kc"][:, :, :blocks], cache["vc"][:, :, :blocks]
+    cache["pos"] = length
 
 
 def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
