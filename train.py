@@ -33,6 +33,7 @@ def main(cfg: DictConfig) -> float | None:
             optimizer=build(cfg.optimizer, "optimizer"),
             schedule=build(cfg.schedule, "schedule"),
             tracker=build(cfg.tracker, "tracker"),
+            **({"draft": build(cfg.draft, "draft")} if cfg.draft is not None else {}),
         )
     return run.result
 

@@ -53,16 +53,16 @@ class LocalBackend:
     def backward(self, loss: Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self, optimizer, parameters, clip_grad_norm) -> float:
-        """Unscale, clip (if asked), step, zero the gradients; returns the gradient norm."""
-        self.scaler.unscale_(optimizer)
-        params = [p for p in parameters if p.grad is not None]
-        max_norm = clip_grad_norm if clip_grad_norm else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        self.scaler.step(optimizer)
+    def step(self, groups, clip_grad_norm) -> None:
+        """For each (optimizer, parameters): unscale, clip (if asked), step, zero the gradients.
+        The loss scale is updated once for the whole step."""
+        for optimizer, parameters in groups:
+            self.scaler.unscale_(optimizer)
+            if clip_grad_norm:
+                torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], clip_grad_norm)
+            self.scaler.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
         self.scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        return float(norm)
 
     def all_reduce_mean(self, value: float) -> float:
         return value

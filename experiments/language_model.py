@@ -1,16 +1,21 @@
 """The language-modelling task: next-byte prediction with validation, samples and checkpoints.
 
 train.py builds the parts from the config and calls the task with them; the task owns the loop.
+It trains one model, or several on the same batches (a speculative-decoding pair): each member
+has its own optimizer, schedule, losses, validation and checkpoint entries, named by its prefix
+("" for the model, "draft_" for the draft).
 """
 
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from torch import nn
 from tqdm import tqdm
 
 from experiments import checkpoint
@@ -21,10 +26,20 @@ from models.sampling import generate
 log = logging.getLogger(__name__)
 
 # config sections that must match for a checkpoint to continue this run
-_RESUME_MUST_MATCH = ("model", "data", "optimizer", "schedule", "task")
+_RESUME_MUST_MATCH = ("model", "draft", "data", "optimizer", "schedule", "task")
+
+
+@dataclass
+class Member:
+    prefix: str  # of its metrics and checkpoint entries: "" for the model, "draft_" for the draft
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
 
 
 class LanguageModelTask:
+    task_name = "lm"
+
     def __init__(self, prime_length: int = 64, generate_length: int = 256, num_samples: int = 1,
                  temperature: float = 1.0, top_k: Optional[int] = None):
         self.prime_length = prime_length
@@ -33,24 +48,26 @@ class LanguageModelTask:
         self.temperature = temperature
         self.top_k = top_k
 
-    def __call__(self, *, run, cfg, backend, data, model, optimizer, schedule, tracker) -> float:
-        trainer = cfg.trainer
+    def __call__(self, *, run, cfg, backend, data, model, optimizer, schedule, tracker, draft=None) -> float:
         if self.prime_length >= data.seq_len:
             raise UserError(f"task.prime_length={self.prime_length} must be shorter than data.seq_len={data.seq_len}")
-        self.run, self.trainer, self.backend, self.data, self.tracker = run, trainer, backend, data, tracker
-        self.model = backend.prepare(model)
-        self.optimizer = optimizer(self.model.parameters())
-        self.schedule = schedule(self.optimizer)
+        self.run, self.trainer, self.backend, self.data, self.tracker = run, cfg.trainer, backend, data, tracker
+        self.members = []
+        for prefix, net in (("", model), ("draft_", draft)):
+            if net is not None:
+                net = backend.prepare(net)
+                opt = optimizer(net.parameters())
+                self.members.append(Member(prefix, net, opt, schedule(opt)))
+        self.model = self.members[0].model
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-        self.params = sum(p.numel() for p in self.model.parameters())
         device = backend.device
-        self.flops_per_token = training_flops_per_token(self.model, data.seq_len, device)
+        self.flops_per_token = sum(training_flops_per_token(m.model, data.seq_len, device) for m in self.members)
         peak_dtype = torch.bfloat16 if backend.precision == "bf16" else torch.float32
         self.peak_flops = matmul_peak_flops(device, peak_dtype)
         run.update_summary(
-            task="lm",
+            task=self.task_name,
             model=run.choices.get("model"),
-            params=self.params,
+            **{f"{m.prefix}params": sum(p.numel() for p in m.model.parameters()) for m in self.members},
             data=data.name,
             data_fingerprint=data.fingerprint,
             device=str(device),
@@ -61,8 +78,8 @@ class LanguageModelTask:
         )
         self._throughput: list[tuple[float, int]] = []  # (tokens/s, steps) per logging window
         start = self._restore()
-        log.info("model %s: %.2fM parameters on %s, %s; data %s", run.choices.get("model"), self.params / 1e6,
-                 device, backend.precision, data.fingerprint)
+        log.info("model %s: %.2fM parameters on %s, %s; data %s", run.choices.get("model"),
+                 run.summary["params"] / 1e6, device, backend.precision, data.fingerprint)
         tracker.start(run, OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
         status = "failed"
         try:
@@ -82,18 +99,19 @@ class LanguageModelTask:
         window_t, window_steps = time.perf_counter(), 0
         step = start
         while step < tr.max_steps and not run.stop_requested:
-            loss = self._train_step(step)
+            losses = self._train_step(step)
             step += 1
             window_steps += 1
             bar.update(1)
             if step % tr.log_every == 0 or step == tr.max_steps:
                 elapsed = time.perf_counter() - window_t
                 tok_s = tokens_per_step * window_steps / elapsed
-                row = {"step": step, "loss": loss, "lr": self.schedule.get_last_lr()[0], "tokens_per_s": round(tok_s, 1),
-                       "mfu": round(tok_s * self.flops_per_token / self.peak_flops, 4), "wall_s": round(run.wall_s(), 2)}
+                row = {"step": step, **losses, "lr": self.members[0].schedule.get_last_lr()[0],
+                       "tokens_per_s": round(tok_s, 1), "mfu": round(tok_s * self.flops_per_token / self.peak_flops, 4),
+                       "wall_s": round(run.wall_s(), 2)}
                 run.log_metrics(row)
                 self.tracker.log(row, step)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+                bar.set_postfix(loss=f"{losses['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
                 self._throughput.append((tok_s, window_steps))
                 window_t, window_steps = time.perf_counter(), 0
             last = step == tr.max_steps
@@ -107,46 +125,56 @@ class LanguageModelTask:
                 window_t = time.perf_counter()
         bar.close()
 
-    def _train_step(self, step: int) -> float:
-        tr, model, data = self.trainer, self.model, self.data
-        model.train()
-        total = 0.0
+    def _train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step of every member on the same micro-batches -> {"loss", "draft_loss"}."""
+        tr, data = self.trainer, self.data
+        totals = {m.prefix: 0.0 for m in self.members}
         for micro in range(tr.grad_accum):
             batch = data.train_batch(tr.batch_size, seed=tr.seed, step=step, micro=micro, rank=self.backend.rank)
             batch = batch.to(self.backend.device, non_blocking=True)
-            with self.backend.autocast():
-                logits = model(batch[:, :-1])
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()) + model.aux_loss()
-            self.backend.backward(loss / tr.grad_accum)
-            total += loss.item() / tr.grad_accum
-        if not math.isfinite(total):
-            raise TrainingError(
-                f"the training loss is {total} at step {step + 1}; the last good checkpoint is kept. "
-                "Lower optimizer.lr, set trainer.clip_grad_norm, or use trainer.precision=fp32"
-            )
-        self.backend.step(self.optimizer, model.parameters(), tr.clip_grad_norm)
-        self.schedule.step()
-        return total
+            for m in self.members:
+                m.model.train()
+                with self.backend.autocast():
+                    logits = m.model(batch[:, :-1])
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()) + m.model.aux_loss()
+                self.backend.backward(loss / tr.grad_accum)
+                totals[m.prefix] += loss.item() / tr.grad_accum
+        for prefix, total in totals.items():
+            if not math.isfinite(total):
+                raise TrainingError(
+                    f"the training {prefix}loss is {total} at step {step + 1}; the last good checkpoint is kept. "
+                    "Lower optimizer.lr, set trainer.clip_grad_norm, or use trainer.precision=fp32"
+                )
+        self.backend.step([(m.optimizer, m.model.parameters()) for m in self.members], tr.clip_grad_norm)
+        for m in self.members:
+            m.schedule.step()
+        return {f"{prefix}loss": total for prefix, total in totals.items()}
 
     @torch.no_grad()
     def _validate(self, step: int) -> None:
-        tr, model = self.trainer, self.model
-        model.eval()
-        losses = []
-        for batch in self.data.val_batches(tr.val_batches, tr.batch_size):
-            batch = batch.to(self.backend.device)
-            with self.backend.autocast():
-                logits = model(batch[:, :-1])
-            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).item())
-        val_loss = self.backend.all_reduce_mean(sum(losses) / len(losses))
-        row = {"step": step, "val_loss": round(val_loss, 5), "val_bpc": round(val_loss / math.log(2), 5),
-               "wall_s": round(self.run.wall_s(), 2)}
+        tr = self.trainer
+        row = {"step": step}
+        for m in self.members:
+            m.model.eval()
+            losses = []
+            for batch in self.data.val_batches(tr.val_batches, tr.batch_size):
+                batch = batch.to(self.backend.device)
+                with self.backend.autocast():
+                    logits = m.model(batch[:, :-1])
+                losses.append(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).item())
+            val_loss = self.backend.all_reduce_mean(sum(losses) / len(losses))
+            row[f"{m.prefix}val_loss"] = round(val_loss, 5)
+            row[f"{m.prefix}val_bpc"] = round(val_loss / math.log(2), 5)
+            best = min(self.run.summary.get(f"{m.prefix}best_val_loss", float("inf")), val_loss)
+            self.run.update_summary(**{f"{m.prefix}val_loss": row[f"{m.prefix}val_loss"],
+                                       f"{m.prefix}val_bpc": row[f"{m.prefix}val_bpc"],
+                                       f"{m.prefix}best_val_loss": round(best, 5),
+                                       f"{m.prefix}best_val_bpc": round(best / math.log(2), 5)})
+        row["wall_s"] = round(self.run.wall_s(), 2)
+        self.run.update_summary(step=step)
         self.run.log_metrics(row)
         self.tracker.log(row, step)
-        best = min(self.run.summary.get("best_val_loss", float("inf")), val_loss)
-        self.run.update_summary(step=step, val_loss=row["val_loss"], val_bpc=row["val_bpc"],
-                                best_val_loss=round(best, 5), best_val_bpc=round(best / math.log(2), 5))
-        log.info("step %d | val_loss %.4f | val_bpc %.4f", step, val_loss, row["val_bpc"])
+        log.info("step %d | %s", step, " | ".join(f"{k} {v:.4f}" for k, v in row.items() if "val_" in k))
 
     @torch.no_grad()
     def _sample(self, step: int) -> None:
@@ -171,9 +199,6 @@ class LanguageModelTask:
             return
         state = {
             "step": step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "schedule": self.schedule.state_dict(),
             "scaler": self.backend.scaler.state_dict(),
             "rng": _rng_state(),
             "config": self.config_yaml,
@@ -181,6 +206,9 @@ class LanguageModelTask:
             "wall_s": self.run.wall_s(),
             "summary": dict(self.run.summary),
         }
+        for m in self.members:
+            state.update({f"{m.prefix}model": m.model.state_dict(), f"{m.prefix}optimizer": m.optimizer.state_dict(),
+                          f"{m.prefix}schedule": m.schedule.state_dict()})
         path = checkpoint.save(state, self.run.checkpoint_dir, keep=self.trainer.keep_checkpoints)
         log.info("checkpoint %s", path)
 
@@ -202,12 +230,13 @@ class LanguageModelTask:
         if path is None:
             return 0
         state = checkpoint.load(path, map_location=self.backend.device)
-        self._load_model(state, path)
+        self._load_models(state, path)
         if spec != "auto" and path.parent != self.run.checkpoint_dir:  # weights from elsewhere: a new run
             log.info("initialised the model from %s", path)
             return 0
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
+        for m in self.members:
+            m.optimizer.load_state_dict(state[f"{m.prefix}optimizer"])
+            m.schedule.load_state_dict(state[f"{m.prefix}schedule"])
         self.backend.scaler.load_state_dict(state["scaler"])
         _set_rng_state(state["rng"])
         step = int(state["step"])
@@ -218,14 +247,14 @@ class LanguageModelTask:
         log.info("resumed from %s at step %d", path, step)
         return step
 
-    def _load_model(self, state: dict, path) -> None:
+    def _load_models(self, state: dict, path) -> None:
         """Load the weights, refusing (with the differing keys) a checkpoint of another config."""
         saved = OmegaConf.create(state["config"])
         current = OmegaConf.create(self.config_yaml)
         differ = [
             f"{section}.{key}" for section in _RESUME_MUST_MATCH
-            for key in sorted(set(saved.get(section, {})) | set(current.get(section, {})))
-            if saved.get(section, {}).get(key) != current.get(section, {}).get(key)
+            for key in sorted(set(saved.get(section) or {}) | set(current.get(section) or {}))
+            if (saved.get(section) or {}).get(key) != (current.get(section) or {}).get(key)
         ]
         if differ and self.trainer.resume == "auto":
             self.run.restore_hydra_files()  # the run's own config, not the refused one
@@ -233,10 +262,12 @@ class LanguageModelTask:
                 f"{path} was trained with a different config ({', '.join(differ)} differ), so this run "
                 "cannot continue it: use a new hydra.run.dir, or pass the same overrides as before"
             )
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as e:
-            raise UserError(f"{path} does not fit this model ({str(e).splitlines()[0]}); check the model overrides") from None
+        for m in self.members:
+            try:
+                m.model.load_state_dict(state[f"{m.prefix}model"])
+            except (RuntimeError, KeyError) as e:
+                raise UserError(f"{path} does not fit this {m.prefix}model ({str(e).splitlines()[0]}); "
+                                "check the model overrides") from None
 
     def _update_throughput_summary(self) -> None:
         if not self._throughput:

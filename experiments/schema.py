@@ -74,6 +74,7 @@ class Config:
     backend: Any = MISSING
     tracker: Any = MISSING
     task: Any = MISSING
+    draft: Any = None  # a second model (speculative decoding's draft): `- /model@draft: <option>`
 
 
 # ---- model ---------------------------------------------------------------------------------
@@ -201,6 +202,13 @@ class LanguageModelTaskConfig:
     top_k: Optional[int] = 32  # null: the full distribution
 
 
+@dataclass
+class SpeculativeTaskConfig(LanguageModelTaskConfig):
+    _target_: str = "experiments.speculative.SpeculativeTask"
+    gamma: int = 5  # draft tokens per verification step
+    temperature: float = 0.0  # 0: greedy, which speculative decoding reproduces token for token
+
+
 def job_subdir(task_overrides: Any, seed: Any, sweeper_params: Any = None, job_num: Any = None) -> str:
     """A sweep job's directory: the values of the swept keys (not every override on the command
     line), then the seed as its own last level, e.g. `model.num_fine_selected=4/seed=1`. A sweeper
@@ -240,7 +248,7 @@ def register() -> None:
         "schedule": {"cosine": CosineScheduleConfig, "constant": ConstantScheduleConfig},
         "backend": {"local": LocalBackendConfig},
         "tracker": {"wandb": WandbConfig, "none": NoTrackerConfig},
-        "task": {"lm": LanguageModelTaskConfig},
+        "task": {"lm": LanguageModelTaskConfig, "speculative": SpeculativeTaskConfig},
     }
     for group, options in schemas.items():
         for name, node in options.items():

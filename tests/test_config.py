@@ -63,6 +63,17 @@ def test_nsa_enwik8_preset_matches_the_seed(compose):
     assert cfg.tracker.name == "sparse-attn: compress size 16 | fine size 16 | 4 selected"
 
 
+def test_speculative_presets_have_a_target_and_a_draft(compose):
+    seed = compose("experiment=speculative_enwik8")
+    assert (seed.model.dim, seed.model.depth, seed.draft.dim, seed.draft.depth) == (512, 10, 512, 2)
+    assert (seed.trainer.batch_size, seed.trainer.grad_accum, seed.optimizer.lr) == (4, 4, 1e-4)
+    assert (seed.task.prime_length, seed.task.generate_length, seed.task.gamma, seed.trainer.generate_every) == (
+        128, 512, 5, 500)
+    small = compose("experiment=speculative")
+    assert small.draft.depth < small.model.depth and small.data._target_.endswith("ByteText")
+    assert compose().draft is None  # the LM task has no draft
+
+
 def test_default_is_nsa_on_the_builtin_corpus(compose):
     cfg = compose()
     assert cfg.model._target_ == "models.lm.nsa_lm"

@@ -96,8 +96,53 @@ def test_speculative_sampling_from_models_matches_the_target():
     exact distribution, total variation below 0.07 (expected about 0.03)."""
     target, draft = dense(1, 0, vocab=8, dim=16), dense(1, 1, vocab=8, dim=16)
     prompt = torch.tensor([[1, 2, 3]])
-    p = probabilities(target(prompt)[0, -1], 0.7, 5)
+    with torch.no_grad():
+        p = probabilities(target(prompt)[0, -1], 0.7, 5)
     out, stats = speculative_generate(target, draft, prompt.expand(1500, -1), 2, gamma=1, temperature=0.7, top_k=5,
                                       generator=torch.Generator().manual_seed(0))
     assert tv(torch.bincount(out[:, 0], minlength=8).double() / 1500, p) < 0.07
     assert 0 < stats.acceptance_rate < 1
+
+
+SPEC_TINY = ["experiment=speculative", "model.depth=2", "draft.depth=1", "model.dim=32", "draft.dim=32",
+             "model.heads=2", "draft.heads=2", "model.dim_head=16", "draft.dim_head=16", "data.seq_len=32",
+             "trainer.batch_size=2", "trainer.val_batches=2", "trainer.progress=false", "trainer.threads=1",
+             "tracker=none", "task.prime_length=8", "task.generate_length=12"]
+
+
+def test_speculative_task_trains_both_and_times_both_decoders(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT, _env, read_metrics, read_summary
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *SPEC_TINY, "trainer.max_steps=4",
+           "trainer.checkpoint_every=2"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300, env=_env())
+    summary = read_summary(run)
+    assert summary["task"] == "speculative" and summary["status"] == "completed"
+    for key in ("val_bpc", "draft_val_bpc", "params", "draft_params", "speedup", "acceptance_rate",
+                "base_tokens_per_s", "spec_tokens_per_s", "accepted_per_step"):
+        assert summary[key] is not None, key
+    assert summary["same_output"] is True  # greedy by default: the same tokens
+    rows = read_metrics(run)
+    assert all("draft_loss" in r for r in rows if "loss" in r)
+    assert "=== speculative decoding" in (run / "samples" / "step_0000004.txt").read_text()
+
+    # decoding from the run's checkpoint
+    out = subprocess.run([sys.executable, "-m", "experiments.speculative", str(run), "--prompt", "def f(",
+                          "--length", "16", "--gamma", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "speedup" in out.stdout and "of 3 draft tokens" in out.stdout
+
+
+def test_speculative_task_without_a_draft_says_how_to_add_one(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT, TINY, _env
+
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *TINY, "model=transformer", "task=speculative"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env())
+    assert out.returncode != 0 and "needs a draft model" in out.stderr
