@@ -40,6 +40,7 @@ class LocalBackend:
             torch.set_num_threads(trainer.threads)
         random.seed(trainer.seed)
         torch.manual_seed(trainer.seed)
+        reset_peak_memory(self.device)  # sweep jobs share a process: each measures its own peak
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -68,11 +69,33 @@ class LocalBackend:
         return value
 
     def peak_memory_mb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        import resource
+        return peak_memory_mb(self.device)
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: "5" resets the process's peak resident set size (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # elsewhere the peak is the process's since its start
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def parallel_job_slot():

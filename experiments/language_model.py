@@ -80,6 +80,7 @@ class LanguageModelTask:
         start = self._restore()
         log.info("model %s: %.2fM parameters on %s, %s; data %s", run.choices.get("model"),
                  run.summary["params"] / 1e6, device, backend.precision, data.fingerprint)
+        run.write_summary("running")  # now with the model's and the data's figures
         tracker.start(run, OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
         status = "failed"
         try:

@@ -72,11 +72,11 @@ class RunRecord:
         return values[-1] if values else None
 
     def latest(self, key: str):
-        """The summary's figure, or for a run still going, the newest row that has it."""
-        if key in self.summary and self.summary[key] is not None:
-            return self.summary[key]
+        """For a run still going, the newest metrics row that has the figure; else the summary's."""
         rows = [r[key] for r in self.metrics if key in r]
-        return rows[-1] if rows else None
+        if self.status == "running" and rows:
+            return rows[-1]
+        return self.summary.get(key, rows[-1] if rows else None)
 
     def row(self, metric: str) -> dict:
         step = self.summary.get("step") if self.status != "running" else None

@@ -59,7 +59,7 @@ class Run:
         return cls(
             out,
             # a sweep job is named by its swept values (its path in the sweep), a run by its time
-            name=str(out.relative_to(Path(hc.sweep.dir).absolute())) if multirun else out.name,
+            name=os.path.relpath(out, hc.sweep.dir) if multirun else out.name,
             group="/".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None,  # <date>/<time>
             choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")},
             multirun=multirun,

@@ -27,11 +27,15 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, 
 def training_flops_per_token(model: nn.Module, seq_len: int, device: torch.device) -> float:
     """Counted FLOPs of forward + backward on one sequence, per token (what the model computes,
     sparse attention's savings included)."""
-    tokens = torch.randint(0, model.num_tokens, (1, seq_len), device=device)
+    # its own generator and eval mode (no dropout): counting leaves the run's random state alone
+    tokens = torch.randint(0, model.num_tokens, (1, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+    was_training = model.training
+    model.eval()
     counter = FlopCounterMode(display=False)
     with counter:
         model(tokens).float().logsumexp(-1).mean().backward()
     model.zero_grad(set_to_none=True)
+    model.train(was_training)
     return counter.get_total_flops() / seq_len
 
 
