@@ -20,7 +20,7 @@ _BACKWARD_CHUNK = 1 << 19
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int,
-                       block: int) -> tuple[Tensor, Tensor]:
+                       block: int, kernel: str = "torch") -> tuple[Tensor, Tensor]:
     """Attention of each query over its selected blocks of keys, causal within the blocks.
 
     q        [batch_kv, seq_q, group, dim_head]  queries of one GQA group (batch * kv_heads first)
@@ -34,7 +34,16 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
 
     Keys after a query's own position are masked (-inf) even inside a selected block. A query with
     no visible key gets zeros and a log-sum-exp of -inf (never NaN).
+
+    kernel: "torch" (this reference), "triton" (kernels/selected_attention_triton.py), or "auto"
+    (Triton on CUDA, the reference elsewhere).
     """
+    if kernel == "auto":
+        kernel = "triton" if q.is_cuda else "torch"
+    if kernel == "triton":
+        from kernels.selected_attention_triton import TritonSelectedAttention
+
+        return TritonSelectedAttention.apply(q, k, v, indices, valid, start, block)
     return _SelectedAttention.apply(q, k, v, indices, valid, start, block)
 
 

@@ -160,7 +160,6 @@ def test_lengths_not_multiples_of_blocks_give_finite_gradients(n):
     (dict(kv_heads=3), "multiple of kv_heads"),
     (dict(compress_stride=8), "compress_stride"),
     (dict(num_fine_selected=0), "num_fine_selected"),
-    (dict(kernel="triton"), "kernel=triton"),
 ])
 def test_invalid_knobs_say_how_to_fix_them(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -22,6 +22,7 @@ runs the same code as training.
 """
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -87,6 +88,7 @@ class NativeSparseAttention(nn.Module):
         self.fine_block = fine_block_size
         self.num_selected = num_fine_selected
         self.dropout = dropout
+        self.kernel = kernel
         self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
         self.to_kv = nn.Linear(dim, BRANCHES * 2 * kv_heads * dim_head, bias=False)
         self.to_gates = nn.Linear(dim, BRANCHES * heads)
@@ -175,7 +177,7 @@ class NativeSparseAttention(nn.Module):
             return out_forced
         out_free, lse_free = selected_attention(
             rearrange(q, "b h g n d -> (b h) n g d"), k.flatten(0, 1), v.flatten(0, 1),
-            indices.flatten(0, 1), valid.flatten(0, 1), start, self.fine_block,
+            indices.flatten(0, 1), valid.flatten(0, 1), start, self.fine_block, self.kernel,
         )
         out_free = rearrange(out_free, "(b h) n g d -> b h g n d", b=b)
         lse_free = rearrange(lse_free, "(b h) n g -> b h g n", b=b)
@@ -327,6 +329,6 @@ def _check(heads, kv_heads, window, block, stride, fine_block, num_selected, ker
     if stride > block:
         raise ValueError(f"compress_stride={stride} exceeds compress_block_size={block}, so tokens between "
                          "blocks would never be compressed: lower model.compress_stride")
-    if kernel == "triton":
-        raise ValueError("kernel=triton: the Triton selected-attention kernel is not built yet; "
-                         "use model.kernel=torch or auto")
+    if kernel == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ValueError("kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 to run the kernel slowly "
+                         "on the CPU): use model.kernel=auto or torch")

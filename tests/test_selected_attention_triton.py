@@ -1,0 +1,83 @@
+"""The Triton selected-attention kernel against the plain-torch reference: output, log-sum-exp
+and every gradient. On a machine without CUDA the kernel runs in Triton's interpreter."""
+
+import pytest
+import torch
+
+from kernels.selected_attention import selected_attention
+from test_selected_attention import random_selection
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# tolerances against the fp32 reference on the same (rounded) inputs
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, block, selected, dtype)
+    (2, 21, 21, 2, 32, 4, 3, torch.float32),  # length not a multiple of the block
+    (1, 16, 16, 1, 64, 8, 2, torch.float32),  # GQA ratio 1
+    (1, 13, 13, 16, 32, 4, 2, torch.float32),  # GQA ratio 16
+    (1, 7, 30, 4, 128, 8, 3, torch.float32),  # decoding: queries at the end; dim_head 128
+    (1, 33, 33, 2, 32, 16, 3, torch.float16),  # blocks at the start and the end
+    (1, 12, 12, 4, 64, 4, 3, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    "bh,m,n,g,d,block,selected,dtype", CASES,
+    ids=[f"BH{c[0]}-Q{c[1]}-K{c[2]}-G{c[3]}-D{c[4]}-blk{c[5]}-S{c[6]}-{str(c[7])[6:]}" for c in CASES])
+def test_kernel_matches_the_reference(bh, m, n, g, d, block, selected, dtype):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(bh, m, g, d, generator=gen).to(dtype)
+    k = torch.randn(bh, n, d, generator=gen).to(dtype)
+    v = torch.randn(bh, n, d, generator=gen).to(dtype)
+    indices, valid = random_selection(bh, m, n - m, n, block, selected, gen)
+    valid[:, 0, 1:] = False  # some slots unused
+    results = []
+    for kernel, tensors in (("torch", (q.float(), k.float(), v.float())), ("triton", (q, k, v))):
+        leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
+        out, lse = selected_attention(*leaves, indices.to(DEVICE), valid.to(DEVICE), n - m, block, kernel)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, out.dtype)
+        grad_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, lse.dtype)
+        grads = torch.autograd.grad((out * grad_out).float().sum() + (lse * grad_lse).float().sum(), leaves)
+        results.append([out, lse, *grads])
+    tol = TOLERANCE[dtype]
+    for name, ref, ours in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), rtol=tol, atol=tol, msg=f"{name} differs")
+
+
+def test_unsupported_shapes_fail_with_the_constraint():
+    q = torch.randn(1, 4, 2, 48)  # dim_head 48 is not a power of two
+    k = v = torch.randn(1, 4, 48)
+    indices = torch.zeros(1, 4, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="dim_head=48 must be a power of two.*model.kernel=torch"):
+        selected_attention(q, k, v, indices, torch.ones_like(indices, dtype=torch.bool), 0, 4, "triton")
+
+
+def test_nsa_model_gives_the_same_logits_and_gradients_with_either_kernel():
+    from models.lm import nsa_lm
+
+    knobs = dict(num_tokens=64, dim=32, depth=1, heads=4, dim_head=32, kv_heads=2, sliding_window_size=4,
+                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=5)
+    models = {}
+    for kernel in ("torch", "triton"):
+        torch.manual_seed(0)
+        models[kernel] = nsa_lm(**knobs, kernel=kernel).to(DEVICE)
+    x = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    outputs = {}
+    for kernel, model in models.items():
+        logits = model(x)
+        logits.square().mean().backward()
+        outputs[kernel] = (logits, {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(outputs["triton"][0], outputs["torch"][0], rtol=1e-4, atol=1e-5)
+    for name, grad in outputs["torch"][1].items():
+        torch.testing.assert_close(outputs["triton"][1][name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
+def test_triton_kernel_without_cuda_or_interpreter_is_refused_before_training(monkeypatch):
+    from models.lm import nsa_lm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="kernel=triton needs a CUDA device.*model.kernel=auto or torch"):
+        nsa_lm(num_tokens=64, dim=32, depth=1, heads=2, dim_head=16, kv_heads=1, sliding_window_size=4,
+               compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=3, kernel="triton")
