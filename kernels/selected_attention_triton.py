@@ -8,8 +8,10 @@ log-sum-exp is saved for the backward pass. The backward program recomputes the 
 from it and writes dq directly, while dk and dv, which several positions share, are accumulated
 in fp32 with atomic adds (no races; the order of additions, and so the last bits, may vary).
 
-Constraints, checked before launch: dim_head <= 256 and a power of two (32, 64, 128 in practice),
-group <= 64, block <= 128. Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (slow:
+Inner products are tensor-core tiles (tl.dot, fp32 accumulation, IEEE precision for fp32 inputs)
+when the block and dim_head are at least 16, the group padded to 16 rows; smaller shapes use a
+broadcast multiply-and-sum. Constraints, checked before launch: dim_head <= 256 and a power of two
+(32, 64, 128 in practice), group <= 64, block <= 128 and a power of two. Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (slow:
 the tests use tiny shapes).
 """
 
@@ -32,8 +34,8 @@ def check_supported(q: Tensor, block: int) -> None:
         problems.append(f"dim_head={dim} must be a power of two up to 256")
     if group > 64:
         problems.append(f"the GQA group (heads / kv_heads = {group}) must be at most 64")
-    if block > 128:
-        problems.append(f"fine_block_size={block} must be at most 128")
+    if block > 128 or block & (block - 1):
+        problems.append(f"fine_block_size={block} must be a power of two up to 128")
     if not (q.is_cuda or interpreting()):
         problems.append("the tensors must be on a CUDA device (or set TRITON_INTERPRET=1 to run on the CPU)")
     if problems:
@@ -42,8 +44,24 @@ def check_supported(q: Tensor, block: int) -> None:
 
 
 @triton.jit
+def _qk(a, b, USE_DOT: tl.constexpr):
+    """a [M, D] . b [N, D]^T -> [M, N] in fp32: a tensor-core tile when the shapes allow it."""
+    if USE_DOT:
+        return tl.dot(a, tl.trans(b), input_precision="ieee" if a.dtype == tl.float32 else None)
+    return tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _pv(p, v, USE_DOT: tl.constexpr):
+    """p [M, N] @ v [N, D] -> [M, D] in fp32."""
+    if USE_DOT:
+        return tl.dot(p.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else None)
+    return tl.sum(p.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def _forward(Q, K, V, IDX, VALID, OUT, LSE, start, seq_k, num_selected, scale,
-             G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr):
+             G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr):
     row = tl.program_id(0)  # query position within the sequence
     bh = tl.program_id(1)
     seq_q = tl.num_programs(0)
@@ -52,7 +70,7 @@ def _forward(Q, K, V, IDX, VALID, OUT, LSE, start, seq_k, num_selected, scale,
     d = tl.arange(0, D)
     j = tl.arange(0, BLOCK)
     q_ptr = Q + ((bh * seq_q + row) * G + g[:, None]) * D + d[None, :]
-    q = tl.load(q_ptr, mask=g[:, None] < G, other=0.0).to(tl.float32)  # [GP, D]
+    q = tl.load(q_ptr, mask=g[:, None] < G, other=0.0)  # [GP, D]
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -62,19 +80,19 @@ def _forward(Q, K, V, IDX, VALID, OUT, LSE, start, seq_k, num_selected, scale,
         key_pos = block_index * BLOCK + j
         key_ok = (key_pos <= t) & (key_pos < seq_k) & ok
         kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
-        k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK, D]
-        v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, BLOCK]
+        k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)  # [BLOCK, D]
+        v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
+        scores = _qk(q, k, USE_DOT) * scale  # [GP, BLOCK]
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep everything at 0
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + _pv(p, v, USE_DOT)
         m = m_new
     has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]  # fp32 until the store
     lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
     tl.store(OUT + ((bh * seq_q + row) * G + g[:, None]) * D + d[None, :], out.to(OUT.dtype.element_ty),
              mask=g[:, None] < G)
@@ -83,7 +101,7 @@ def _forward(Q, K, V, IDX, VALID, OUT, LSE, start, seq_k, num_selected, scale,
 
 @triton.jit
 def _backward(Q, K, V, IDX, VALID, DOUT, LSE, DELTA, DQ, DK, DV, start, seq_k, num_selected, scale,
-              G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr):
+              G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr):
     row = tl.program_id(0)
     bh = tl.program_id(1)
     seq_q = tl.num_programs(0)
@@ -93,8 +111,8 @@ def _backward(Q, K, V, IDX, VALID, DOUT, LSE, DELTA, DQ, DK, DV, start, seq_k, n
     j = tl.arange(0, BLOCK)
     rows = ((bh * seq_q + row) * G + g[:, None]) * D + d[None, :]
     g_ok = g < G
-    q = tl.load(Q + rows, mask=g_ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DOUT + rows, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(Q + rows, mask=g_ok[:, None], other=0.0)
+    do = tl.load(DOUT + rows, mask=g_ok[:, None], other=0.0)
     lse = tl.load(LSE + (bh * seq_q + row) * G + g, mask=g_ok, other=float("-inf"))
     lse = tl.where(lse == float("-inf"), 0.0, lse)  # an empty row: its probabilities come out 0
     delta = tl.load(DELTA + (bh * seq_q + row) * G + g, mask=g_ok, other=0.0)
@@ -105,15 +123,15 @@ def _backward(Q, K, V, IDX, VALID, DOUT, LSE, DELTA, DQ, DK, DV, start, seq_k, n
         key_pos = block_index * BLOCK + j
         key_ok = (key_pos <= t) & (key_pos < seq_k) & ok
         kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
-        k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
+        scores = _qk(q, k, USE_DOT) * scale
         p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [GP, BLOCK]
-        dp = tl.sum(do[:, None, :] * v[None, :, :], axis=2)
+        dp = _qk(do, v, USE_DOT)
         ds = p * (dp - delta[:, None]) * scale
-        dq += tl.sum(ds[:, :, None] * k[None, :, :], axis=1)
-        dk = tl.sum(ds[:, :, None] * q[:, None, :], axis=0)  # [BLOCK, D]
-        dv = tl.sum(p[:, :, None] * do[:, None, :], axis=0)
+        dq += _pv(ds, k, USE_DOT)
+        dk = _pv(tl.trans(ds), q, USE_DOT)  # [BLOCK, D]
+        dv = _pv(tl.trans(p), do, USE_DOT)
         tl.atomic_add(DK + kv_off, dk, mask=key_ok[:, None])
         tl.atomic_add(DV + kv_off, dv, mask=key_ok[:, None])
     tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=g_ok[:, None])
@@ -121,7 +139,11 @@ def _backward(Q, K, V, IDX, VALID, DOUT, LSE, DELTA, DQ, DK, DV, start, seq_k, n
 
 def _launch_args(q: Tensor, k: Tensor, indices: Tensor, start: int, block: int):
     bh, m, group, dim = q.shape
-    meta = dict(G=group, D=dim, BLOCK=block, GP=max(2, triton.next_power_of_2(group)))
+    # tensor-core tiles need every side >= 16: the group is padded up to 16 rows when they are used.
+    # Triton's interpreter computes bf16 tl.dot wrongly (no bf16 in numpy): there bf16 uses the sums
+    use_dot = block >= 16 and dim >= 16 and not (interpreting() and q.dtype == torch.bfloat16)
+    padded = triton.next_power_of_2(group)
+    meta = dict(G=group, D=dim, BLOCK=block, GP=max(16 if use_dot else 2, padded), USE_DOT=use_dot)
     return (m, bh), (start, k.shape[1], indices.shape[-1], dim**-0.5), meta
 
 

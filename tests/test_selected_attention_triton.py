@@ -19,6 +19,9 @@ CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, block, selected, dtype)
     (1, 7, 30, 4, 128, 8, 3, torch.float32),  # decoding: queries at the end; dim_head 128
     (1, 33, 33, 2, 32, 16, 3, torch.float16),  # blocks at the start and the end
     (1, 12, 12, 4, 64, 4, 3, torch.bfloat16),
+    (2, 40, 40, 2, 32, 16, 3, torch.float32),  # tensor-core tiles (block and dim_head >= 16)
+    (1, 37, 37, 4, 64, 16, 2, torch.float16),  # tiles in fp16, length not a multiple of the block
+    (1, 37, 37, 4, 64, 16, 2, torch.bfloat16),  # bf16 (tiles on a GPU; sums in the interpreter)
 ]
 
 
