@@ -7,6 +7,7 @@ same fixed crops in every run, so val_loss is comparable across runs and seeds.
 
 import gzip
 import hashlib
+import logging
 import sys
 import sysconfig
 from pathlib import Path
@@ -20,6 +21,8 @@ from experiments.errors import UserError
 from experiments.files import atomic_write
 
 VAL_SEED = 2024  # the validation crops, identical across runs
+
+log = logging.getLogger(__name__)
 
 
 class ByteData:
@@ -123,5 +126,9 @@ def builtin_corpus(cache_dir: Path) -> np.ndarray:
     if cache.is_file():
         return np.fromfile(cache, dtype=np.uint8)
     data = b"\n".join(p.read_bytes() for p in files)
-    atomic_write(cache, lambda tmp: tmp.write_bytes(data))
+    try:
+        atomic_write(cache, lambda tmp: tmp.write_bytes(data))
+    except OSError as e:  # a read-only home, say: build it again next time, but run now
+        log.warning("could not cache the built-in corpus in %s (%s); set data.cache_dir to a writable folder",
+                    cache_dir, e)
     return np.frombuffer(data, dtype=np.uint8).copy()

@@ -63,3 +63,10 @@ def test_sequence_longer_than_a_split_is_refused(tmp_path):
     path.write_bytes(b"x" * 100)
     with pytest.raises(UserError, match="data.seq_len=512"):
         ByteText(seq_len=512, path=str(path))
+
+
+def test_an_unwritable_cache_folder_only_costs_a_rebuild(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    data = ByteText(seq_len=64, cache_dir=str(blocker / "cache"))  # cannot be created under a file
+    assert len(data.train) > 1_000_000
