@@ -3,7 +3,8 @@
 Each yaml option in conf/<group>/ starts from its schema here
 (`defaults: [/schema/<group>/<name>@_here_, _self_]`), so a
 misspelt key or a value of the wrong type fails at composition, naming the key, before any work.
-Cross-field rules (seq_len against block sizes, ...) live in `experiments.checks`.
+Rules a type cannot express live in `experiments.checks` (the trainer's) and in each model's
+constructor (its knobs), and are checked before training starts.
 
 This module imports only hydra/omegaconf: train.py imports it before composing, and `--help`
 must stay fast.

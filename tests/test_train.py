@@ -108,6 +108,8 @@ def _fails(run, *overrides):
     ("model.depth=two", "'two' of type 'str' could not be converted to Integer"),
     ("data.seq_len=0", "data.seq_len=0 must be at least 1"),
     ("data.path=/nonexistent/corpus.txt", "data.path=/nonexistent/corpus.txt: no such file"),
+    ("trainer.grad_accum=0", "trainer.grad_accum=0 must be at least 1"),
+    ("trainer.clip_grad_norm=-1", "trainer.clip_grad_norm=-1.0 must be positive"),
 ])
 def test_bad_input_gets_one_clear_message(tmp_path, override, message):
     assert message in _fails(tmp_path / "run", override)
