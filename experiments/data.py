@@ -8,6 +8,7 @@ same fixed crops in every run, so val_loss is comparable across runs and seeds.
 import gzip
 import hashlib
 import logging
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -78,11 +79,13 @@ class ByteData:
 class ByteText(ByteData):
     """A byte-level corpus: `path`, or by default this Python's standard library sources."""
 
-    def __init__(self, seq_len: int, path: Optional[str] = None, val_fraction: float = 0.1, cache_dir: str = "."):
+    def __init__(self, seq_len: int, path: Optional[str] = None, val_fraction: float = 0.1,
+                 cache_dir: Optional[str] = None):
         if not 0 < val_fraction < 1:
             raise UserError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1")
         if path is None:
-            data, name = builtin_corpus(Path(cache_dir)), "stdlib-py" + ".".join(map(str, sys.version_info[:3]))
+            data, name = builtin_corpus(Path(cache_dir or default_cache_dir())), "stdlib-py" + ".".join(
+                map(str, sys.version_info[:3]))
         else:
             data, name = read_bytes(Path(path), key="data.path"), Path(path).name
         split = len(data) - int(len(data) * val_fraction)
@@ -101,6 +104,11 @@ class Enwik8(ByteData):
             "pass data.path=<file>",
         )
         super().__init__(data[:train_bytes], data[train_bytes : train_bytes + val_bytes], seq_len, "enwik8")
+
+
+def default_cache_dir() -> Path:
+    """The same folder conf/data/text.yaml names: $XDG_CACHE_HOME or ~/.cache, /sparse-attention."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparse-attention"
 
 
 def read_bytes(path: Path, *, key: str, limit: Optional[int] = None, hint: str = "") -> np.ndarray:
