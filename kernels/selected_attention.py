@@ -10,6 +10,8 @@ rows and are sized to stay in cache: a gather is a memory copy, and a cache-resi
 eight times cheaper on a CPU than one streamed through DRAM.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -45,6 +47,16 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
 
         return TritonSelectedAttention.apply(q, k, v, indices, valid, start, block)
     return _SelectedAttention.apply(q, k, v, indices, valid, start, block)
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (on CPU tensors) rather than compiling them."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_runnable() -> bool:
+    """Whether the Triton kernel can run here: on CUDA, or in Triton's interpreter."""
+    return torch.cuda.is_available() or triton_interpreting()
 
 
 def _block_table(x: Tensor, block: int) -> Tensor:

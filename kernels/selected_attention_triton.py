@@ -15,16 +15,12 @@ broadcast multiply-and-sum. Constraints, checked before launch: dim_head <= 256 
 the tests use tiny shapes).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from kernels.selected_attention import triton_interpreting
 
 
 def check_supported(q: Tensor, block: int) -> None:
@@ -36,7 +32,7 @@ def check_supported(q: Tensor, block: int) -> None:
         problems.append(f"the GQA group (heads / kv_heads = {group}) must be at most 64")
     if block > 128 or block & (block - 1):
         problems.append(f"fine_block_size={block} must be a power of two up to 128")
-    if not (q.is_cuda or interpreting()):
+    if not (q.is_cuda or triton_interpreting()):
         problems.append("the tensors must be on a CUDA device (or set TRITON_INTERPRET=1 to run on the CPU)")
     if problems:
         raise ValueError("the Triton selected-attention kernel cannot run this: " + "; ".join(problems)
@@ -60,6 +56,21 @@ def _pv(p, v, USE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Slot s of query `row`: its keys and values [BLOCK, D] (zeros where masked), which of them
+    the query may see (in the block, at or before t, slot in use), and their offsets."""
+    block_index = tl.load(IDX + (bh * seq_q + row) * num_selected + s)
+    ok = tl.load(VALID + (bh * seq_q + row) * num_selected + s + j * 0) != 0  # [BLOCK], one value
+    key_pos = block_index * BLOCK + j
+    key_ok = (key_pos <= t) & (key_pos < seq_k) & ok
+    kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
+    k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
+    return k, v, key_ok, kv_off
+
+
+@triton.jit
 def _forward(Q, K, V, IDX, VALID, OUT, LSE, start, seq_k, num_selected, scale,
              G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr):
     row = tl.program_id(0)  # query position within the sequence
@@ -75,13 +86,8 @@ def _forward(Q, K, V, IDX, VALID, OUT, LSE, start, seq_k, num_selected, scale,
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     for s in range(num_selected):
-        block_index = tl.load(IDX + (bh * seq_q + row) * num_selected + s)
-        ok = tl.load(VALID + (bh * seq_q + row) * num_selected + s + j * 0) != 0  # [BLOCK], one value
-        key_pos = block_index * BLOCK + j
-        key_ok = (key_pos <= t) & (key_pos < seq_k) & ok
-        kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
-        k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)  # [BLOCK, D]
-        v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
+        k, v, key_ok, kv_off = _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D,
+                                               BLOCK)
         scores = _qk(q, k, USE_DOT) * scale  # [GP, BLOCK]
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -118,13 +124,8 @@ def _backward(Q, K, V, IDX, VALID, DOUT, LSE, DELTA, DQ, DK, DV, start, seq_k, n
     delta = tl.load(DELTA + (bh * seq_q + row) * G + g, mask=g_ok, other=0.0)
     dq = tl.zeros([GP, D], tl.float32)
     for s in range(num_selected):
-        block_index = tl.load(IDX + (bh * seq_q + row) * num_selected + s)
-        ok = tl.load(VALID + (bh * seq_q + row) * num_selected + s + j * 0) != 0  # [BLOCK], one value
-        key_pos = block_index * BLOCK + j
-        key_ok = (key_pos <= t) & (key_pos < seq_k) & ok
-        kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
-        k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
+        k, v, key_ok, kv_off = _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D,
+                                               BLOCK)
         scores = _qk(q, k, USE_DOT) * scale
         p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [GP, BLOCK]
         dp = _qk(do, v, USE_DOT)
@@ -141,7 +142,7 @@ def _launch_args(q: Tensor, k: Tensor, indices: Tensor, start: int, block: int):
     bh, m, group, dim = q.shape
     # tensor-core tiles need every side >= 16: the group is padded up to 16 rows when they are used.
     # Triton's interpreter computes bf16 tl.dot wrongly (no bf16 in numpy): there bf16 uses the sums
-    use_dot = block >= 16 and dim >= 16 and not (interpreting() and q.dtype == torch.bfloat16)
+    use_dot = block >= 16 and dim >= 16 and not (triton_interpreting() and q.dtype == torch.bfloat16)
     padded = triton.next_power_of_2(group)
     meta = dict(G=group, D=dim, BLOCK=block, GP=max(16 if use_dot else 2, padded), USE_DOT=use_dot)
     return (m, bh), (start, k.shape[1], indices.shape[-1], dim**-0.5), meta

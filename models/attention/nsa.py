@@ -22,7 +22,6 @@ runs the same code as training.
 """
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from kernels.selected_attention import selected_attention
+from kernels.selected_attention import selected_attention, triton_runnable
 from models.rotary import Rotary
 
 BRANCHES = 3  # compressed, selected, window
@@ -329,6 +328,6 @@ def _check(heads, kv_heads, window, block, stride, fine_block, num_selected, ker
     if stride > block:
         raise ValueError(f"compress_stride={stride} exceeds compress_block_size={block}, so tokens between "
                          "blocks would never be compressed: lower model.compress_stride")
-    if kernel == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    if kernel == "triton" and not triton_runnable():
         raise ValueError("kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 to run the kernel slowly "
                          "on the CPU): use model.kernel=auto or torch")
