@@ -191,9 +191,7 @@ def _fmt(key: str, value) -> str:
         return "-"
     if key in ("best", "final", "mean", "std", "min", "max"):
         return f"{value:.4f}"
-    if key == "tokens_per_s":
-        return f"{value:,.0f}"
-    if key == "peak_mem_mb":
+    if key in ("tokens_per_s", "peak_mem_mb"):
         return f"{value:,.0f}"
     if key == "params":
         return f"{value / 1e6:.2f}M"

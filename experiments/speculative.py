@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from experiments.errors import UserError
 from experiments.language_model import LanguageModelTask
 from models.sampling import generate
 from models.speculative import speculative_generate
@@ -58,8 +59,6 @@ class SpeculativeTask(LanguageModelTask):
 
     def __call__(self, *, draft=None, **parts) -> float:
         if draft is None:
-            from experiments.errors import UserError
-
             raise UserError("task=speculative needs a draft model: add `- /model@draft: transformer` to the "
                             "defaults (as conf/experiment/speculative.yaml does) or use experiment=speculative")
         return super().__call__(draft=draft, **parts)
@@ -118,8 +117,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from experiments.errors import UserError
-
     try:
         target, draft, _ = load_pair(args.run)
     except UserError as e:
