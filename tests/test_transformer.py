@@ -58,3 +58,16 @@ def test_greedy_generation_matches_uncached_greedy_decoding():
     for _ in range(12):
         seq = torch.cat((seq, model(seq)[:, -1].argmax(-1, keepdim=True)), 1)
     assert torch.equal(out, seq[:, 5:])
+
+
+def test_chunked_feed_forward_equals_the_whole():
+    whole, chunked = tiny_dense(), tiny_dense(ff_chunks=3)
+    x = torch.randint(0, 64, (2, 20))
+    torch.testing.assert_close(chunked(x), whole(x))
+
+
+def test_factorised_embedding_shapes_and_parameters():
+    model = tiny_dense(emb_dim=8)
+    assert model.token_emb.weight.shape == (64, 8) and model.to_logits.weight.shape == (64, 8)
+    assert model(torch.randint(0, 64, (2, 5))).shape == (2, 5, 64)
+    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in tiny_dense().parameters())

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from models.attention import cache as kv_cache
 from models.rotary import Rotary
 
 
@@ -25,7 +26,7 @@ class DenseAttention(nn.Module):
         start = 0 if cache is None else cache.get("pos", 0)
         q, k = self.rotary(q, start), self.rotary(k, start)
         if cache is not None:
-            k, v = _append(cache, start, k, v)
+            k, v = kv_cache.append(cache, start, k=k, v=v)
         dropout = self.dropout if self.training else 0.0
         if start == 0:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
@@ -35,26 +36,5 @@ class DenseAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
-    @staticmethod
-    def truncate_cache(cache: dict, length: int) -> None:
-        cache["pos"] = min(cache.get("pos", 0), length)  # later writes overwrite what lies beyond
+    truncate_cache = staticmethod(kv_cache.truncate)
 
-
-def _append(cache: dict, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Write the new keys and values [b, h, n, d] at `start` into buffers that grow by doubling
-    (decoding then copies each key once, not the whole cache per token); return views up to the
-    end."""
-    end = start + k.shape[2]
-    buf_k = cache.get("k")
-    if buf_k is None or buf_k.shape[2] < end or buf_k.dtype != k.dtype:
-        capacity = max(end, 2 * (buf_k.shape[2] if buf_k is not None else 0), 64)
-        grown_k = k.new_empty(*k.shape[:2], capacity, k.shape[3])
-        grown_v = v.new_empty(*v.shape[:2], capacity, v.shape[3])
-        if start:
-            grown_k[:, :, :start] = cache["k"][:, :, :start]
-            grown_v[:, :, :start] = cache["v"][:, :, :start]
-        cache["k"], cache["v"] = grown_k, grown_v
-    cache["k"][:, :, start:end] = k
-    cache["v"][:, :, start:end] = v
-    cache["pos"] = end
-    return cache["k"][:, :, :end], cache["v"][:, :, :end]
