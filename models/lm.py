@@ -2,13 +2,16 @@
 
 Each builder takes the flat keyword arguments of its config (conf/model/<name>.yaml), so every
 knob is `model.<knob>` on the command line. The attention's own knobs go to its factory; the rest
-(`num_tokens`, `dim`, `depth`, `ff_mult`, `ff_dropout`) go to the backbone unchanged.
+(`num_tokens`, `dim`, `depth`, `ff_mult`, `ff_dropout`, `ff_chunks`, `emb_dim`, `reversible`) go
+to the backbone unchanged.
 """
 
 from functools import partial
 
 from models.attention.dense import DenseAttention
 from models.attention.nsa import NativeSparseAttention
+from models.attention.routing import RoutingAttention
+from models.attention.sinkhorn import SinkhornAttention
 from models.transformer import TransformerLM
 
 
@@ -48,3 +51,52 @@ def nsa_lm(
         kernel=getattr(kernel, "value", kernel),
     )
     return TransformerLM(attention=attention, **backbone)
+
+
+def sinkhorn_lm(
+    *,
+    heads: int,
+    dim_head: int,
+    bucket_size: int,
+    n_local_attn_heads=0,
+    sinkhorn_iter: int = 5,
+    temperature: float = 0.75,
+    attn_dropout: float = 0.0,
+    **backbone,
+) -> TransformerLM:
+    local_heads = _per_layer(n_local_attn_heads, backbone["depth"], "n_local_attn_heads")
+    attention = lambda: SinkhornAttention(  # noqa: E731 (one call per layer, in order)
+        dim=backbone["dim"], heads=heads, dim_head=dim_head, bucket_size=bucket_size,
+        n_local_attn_heads=next(local_heads), sinkhorn_iter=sinkhorn_iter, temperature=temperature,
+        dropout=attn_dropout,
+    )
+    return TransformerLM(attention=attention, **backbone)
+
+
+def routing_lm(
+    *,
+    heads: int,
+    dim_head: int,
+    window_size: int,
+    num_clusters: int,
+    n_local_attn_heads=0,
+    ema_decay: float = 0.999,
+    commitment_weight: float = 1e-4,
+    attn_dropout: float = 0.0,
+    **backbone,
+) -> TransformerLM:
+    local_heads = _per_layer(n_local_attn_heads, backbone["depth"], "n_local_attn_heads")
+    attention = lambda: RoutingAttention(  # noqa: E731 (one call per layer, in order)
+        dim=backbone["dim"], heads=heads, dim_head=dim_head, window_size=window_size,
+        num_clusters=num_clusters, n_local_attn_heads=next(local_heads), ema_decay=ema_decay,
+        commitment_weight=commitment_weight, dropout=attn_dropout,
+    )
+    return TransformerLM(attention=attention, **backbone)
+
+
+def _per_layer(value, depth: int, name: str):
+    """An int for every layer, or one value per layer (a list of `depth` ints) -> an iterator."""
+    values = [value] * depth if isinstance(value, int) else list(value)
+    if len(values) != depth:
+        raise ValueError(f"{name} lists {len(values)} values but depth is {depth}: give one per layer, or one int")
+    return iter(values)

@@ -1,0 +1,178 @@
+"""Routing attention (Roy et al. 2020), causal at the token level.
+
+Each routing head shares one projection between queries and keys (as the paper does for
+language models, so a token's query and key fall in the same cluster) and routes every token to
+the nearest of `num_clusters` centroids (spherical k-means on the unit-normalised vectors). A
+token attends to the `window_size` most recent tokens of its own cluster, itself included. The
+first `n_local_attn_heads` heads attend to the `window_size` most recent tokens instead.
+
+Why this is causal: a token's cluster depends on its own vector and the centroids only, and "the
+w most recent same-cluster tokens" is decided by the past alone. (Cutting the cluster-sorted
+sequence into fixed windows, or taking each cluster's top-k tokens over the whole sequence, lets
+later tokens move the window boundaries of earlier ones.) In the parallel pass the tokens are
+sorted by (cluster, position); within a cluster that keeps positions in order, so the key set is
+a sliding window of width w in sorted order restricted to the same cluster, computed chunk by
+chunk against the chunk before. Decoding masks the cached keys by the same rule.
+
+Centroids are a buffer (saved with the model), initialised to random unit vectors and moved by
+an exponential moving average of their members once per optimizer step (`after_optimizer_step`,
+called by the task) from statistics gathered over that step's micro-batches. The commitment
+loss, weight * mean ||x - centroid(x)||^2, is exposed as `aux_loss` while training.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from models.attention import cache as kv_cache
+from models.attention.masked import masked_attention
+from models.reversible import recomputing
+from models.rotary import Rotary
+
+
+class RoutingAttention(nn.Module):
+    def __init__(
+        self,
+        *,
+        dim: int,
+        heads: int,
+        dim_head: int,
+        window_size: int,
+        num_clusters: int,
+        n_local_attn_heads: int = 0,
+        ema_decay: float = 0.999,
+        commitment_weight: float = 1e-4,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+        if num_clusters < 1:
+            raise ValueError(f"num_clusters must be >= 1, got {num_clusters}")
+        if not 0 <= n_local_attn_heads <= heads:
+            raise ValueError(f"n_local_attn_heads must lie in [0, heads={heads}], got {n_local_attn_heads}")
+        if not 0 <= ema_decay < 1:
+            raise ValueError(f"ema_decay must lie in [0, 1), got {ema_decay}")
+        self.heads, self.window, self.local_heads = heads, window_size, n_local_attn_heads
+        self.route_heads = heads - n_local_attn_heads
+        self.ema_decay, self.commitment_weight, self.dropout = ema_decay, commitment_weight, dropout
+        self.to_qk = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_v = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
+        self.rotary = Rotary(dim_head)
+        centroids = F.normalize(torch.randn(self.route_heads, num_clusters, dim_head), dim=-1)
+        self.register_buffer("centroids", centroids)  # [route heads, clusters, dim_head]
+        # this optimizer step's k-means statistics (sums of members, member counts)
+        self.register_buffer("_sums", torch.zeros_like(centroids), persistent=False)
+        self.register_buffer("_counts", torch.zeros(self.route_heads, num_clusters), persistent=False)
+        self.aux_loss: Optional[Tensor] = None
+
+    def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
+        """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds past keys, values, clusters."""
+        start = 0 if cache is None else cache.get("pos", 0)
+        qk = rearrange(self.to_qk(x), "b n (h d) -> b h n d", h=self.heads)
+        v = rearrange(self.to_v(x), "b n (h d) -> b h n d", h=self.heads)
+        clusters = self._route(qk[:, self.local_heads :])
+        qk = self.rotary(qk, start)
+        if cache is not None:
+            k, v, key_clusters = kv_cache.append(cache, start, k=qk, v=v, clusters=clusters[..., None])
+        if cache is None or start == 0:
+            out = self._attend_sorted(qk, v, clusters)
+        else:
+            out = self._attend_cached(qk, k, v, clusters, key_clusters[..., 0], start)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+    truncate_cache = staticmethod(kv_cache.truncate)
+
+    def _route(self, vectors: Tensor) -> Tensor:
+        """Cluster of every token [b, heads, n] (local heads: all 0). While training, also gather
+        the k-means statistics and set the commitment loss."""
+        b, _, n, _ = vectors.shape
+        local = torch.zeros(b, self.local_heads, n, dtype=torch.long, device=vectors.device)
+        if not self.route_heads:
+            self.aux_loss = None
+            return local
+        unit = F.normalize(vectors.float(), dim=-1)
+        centroids = self.centroids.float()
+        nearest = torch.einsum("bhnd,hcd->bhnc", unit.detach(), centroids).argmax(dim=-1)
+        if self.training:
+            chosen = centroids[torch.arange(self.route_heads, device=unit.device)[:, None], nearest]  # [b, h, n, d]
+            self.aux_loss = self.commitment_weight * (unit - chosen).square().sum(-1).mean()
+            if not recomputing():  # a reversible backward pass runs this forward a second time
+                self._gather(unit.detach(), nearest)
+        else:
+            self.aux_loss = None
+        return torch.cat((local, nearest), dim=1)
+
+    @torch.no_grad()
+    def _gather(self, unit: Tensor, nearest: Tensor) -> None:
+        flat = nearest + torch.arange(self.route_heads, device=unit.device)[:, None] * self.centroids.shape[1]
+        flat = flat.flatten()  # [b * h * n] indices into [heads * clusters]
+        members = rearrange(unit, "b h n d -> (b h n) d")
+        self._sums.view(-1, unit.shape[-1]).index_add_(0, flat, members.to(self._sums.dtype))
+        self._counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self._counts.dtype))
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """Move each centroid that had members toward their mean, then clear the statistics."""
+        if not self.route_heads:
+            return
+        had = self._counts > 0
+        means = F.normalize(self._sums / self._counts.clamp(min=1)[..., None], dim=-1)
+        moved = F.normalize(self.ema_decay * self.centroids + (1 - self.ema_decay) * means, dim=-1)
+        self.centroids.copy_(torch.where(had[..., None], moved, self.centroids))
+        self._sums.zero_()
+        self._counts.zero_()
+
+    def _attend_sorted(self, qk: Tensor, v: Tensor, clusters: Tensor) -> Tensor:
+        """All positions at once. qk (queries = keys), v [b, h, n, d]; clusters [b, h, n]."""
+        b, h, n, d = qk.shape
+        w = self.window
+        positions = torch.arange(n, device=qk.device)
+        order = (clusters * n + positions).argsort(dim=-1)  # by cluster, then position
+        gather = order[..., None].expand(-1, -1, -1, d)
+        ids = clusters.gather(2, order)
+        pad = -n % w
+        chunks = (n + pad) // w
+        # sorted, padded to whole chunks, preceded by one chunk of zeros (cluster -2, never matched)
+        qks, vs = (F.pad(t.gather(2, gather), (0, 0, w, pad)) for t in (qk, v))
+        ids = F.pad(F.pad(ids, (0, pad), value=-1), (w, 0), value=-2)  # padding: a cluster of its own
+        # chunk c's queries against chunks c - 1 and c (views, no copies)
+        queries = qks[:, :, w:].unflatten(2, (chunks, w))
+        keys, values = (t.unfold(2, 2 * w, w).transpose(-1, -2) for t in (qks, vs))
+        key_ids = ids.unfold(2, 2 * w, w)
+        query_ids = ids[:, :, w:].unflatten(2, (chunks, w))
+        distance = torch.arange(w, device=qk.device)[:, None] + w - torch.arange(2 * w, device=qk.device)
+        in_window = (distance >= 0) & (distance < w)  # query index - key index, in sorted order
+        mask = (query_ids[..., :, None] == key_ids[..., None, :]) & in_window
+        keep = self._dropout_keep(order, distance.clamp(0, w - 1), chunks) if self.training and self.dropout else None
+        out = masked_attention(queries, keys, values, mask, keep, self.dropout).flatten(2, 3)[:, :, :n]
+        return torch.empty_like(out).scatter_(2, gather, out)
+
+    def _dropout_keep(self, order: Tensor, distance: Tensor, chunks: int) -> Tensor:
+        """Which attention weights survive dropout, [b, h, chunks, w, 2w]. The random draws are
+        indexed by (query position, how many same-cluster tokens back the key lies), not by the
+        sorted layout: the layout depends on later tokens, and draws made in it would let them
+        change earlier outputs. distance [w, 2w]: query index - key index, clamped to [0, w)."""
+        b, h, n = order.shape
+        w = self.window
+        draws = torch.rand(b, h, n, w, device=order.device)  # [b, h, query position, distance]
+        draws = F.pad(draws.gather(2, order[..., None].expand(-1, -1, -1, w)), (0, 0, 0, chunks * w - n))
+        draws = draws.unflatten(2, (chunks, w)).gather(-1, distance.expand(b, h, chunks, w, 2 * w))
+        return draws >= self.dropout
+
+    def _attend_cached(self, q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, key_clusters: Tensor,
+                       start: int) -> Tensor:
+        """New queries q [b, h, n, d] at [start, start + n) against every cached key k, v
+        [b, h, end, d] with clusters key_clusters [b, h, end]: the same key sets as the parallel pass."""
+        n, end = q.shape[2], k.shape[2]
+        query_pos = torch.arange(start, start + n, device=q.device)
+        causal = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]
+        same = (clusters[..., :, None] == key_clusters[..., None, :]) & causal  # [b, h, n, end]
+        # same-cluster keys from this key up to the query, the key included
+        newer = same.flip(-1).cumsum(-1).flip(-1)
+        mask = same & (newer <= self.window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # decoding: no dropout

@@ -1,0 +1,69 @@
+"""Checks every attention variant must pass on the backbone: causality (by perturbation and by
+gradient, in train and eval mode) and cached decoding equal to the parallel forward."""
+
+import torch
+
+
+def logits_with_embedding(model, tokens):
+    """logits [b, n, vocab] and the embedding output they were computed from (grad-enabled)."""
+    captured = {}
+
+    def keep(module, args, output):
+        captured["emb"] = output
+        return output
+
+    handle = model.token_emb.register_forward_hook(keep)
+    try:
+        logits = model(tokens)
+    finally:
+        handle.remove()
+    return logits, captured["emb"]
+
+
+def assert_causal_by_perturbation(model, tokens, t, *, seed=0):
+    """Changing every token after t leaves the logits at <= t unchanged (same random state for
+    dropout and noise in both passes), and does change some later logit."""
+    changed = tokens.clone()
+    vocab = model.num_tokens
+    tail = changed[:, t + 1 :]
+    changed[:, t + 1 :] = (tail + 1 + torch.randint(0, vocab - 1, tail.shape)) % vocab
+    torch.manual_seed(seed)
+    base = model(tokens)
+    torch.manual_seed(seed)
+    out = model(changed)
+    assert torch.equal(out[:, : t + 1], base[:, : t + 1]), f"logits at <= {t} moved when later tokens changed"
+    if t + 1 < tokens.shape[1]:
+        assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :]), "the perturbation changed nothing"
+
+
+def assert_causal_by_gradient(model, tokens, t):
+    """The logits at t have zero gradient with respect to every later input embedding, and a
+    nonzero one with respect to some earlier one."""
+    logits, emb = logits_with_embedding(model, tokens)
+    (grad,) = torch.autograd.grad(logits[:, t].sum(), emb)
+    assert grad[:, t + 1 :].abs().max() == 0, f"position {t} depends on a later position"
+    assert grad[:, : t + 1].abs().max() > 0
+
+
+def assert_cached_decoding_equals_parallel(model, tokens, pieces, atol=1e-10):
+    """Feeding `tokens` to the cache in pieces of the given lengths gives the parallel logits."""
+    full = model(tokens)
+    cache = model.new_cache()
+    outs, start = [], 0
+    for size in pieces:
+        outs.append(model(tokens[:, start : start + size], cache=cache))
+        start += size
+    assert start == tokens.shape[1]
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=0, atol=atol)
+
+
+def assert_truncated_cache_forgets(model, tokens, keep):
+    """Decoding, rolling the cache back to `keep` positions and decoding other tokens gives the
+    parallel logits of the new sequence (speculative decoding's rollback)."""
+    other = tokens.clone()
+    other[:, keep:] = (other[:, keep:] + 1) % model.num_tokens
+    cache = model.new_cache()
+    model(tokens, cache=cache)
+    model.truncate_cache(cache, keep)
+    tail = torch.cat([model(other[:, i : i + 1], cache=cache) for i in range(keep, tokens.shape[1])], 1)
+    torch.testing.assert_close(tail, model(other)[:, keep:], rtol=0, atol=1e-10)
