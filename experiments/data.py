@@ -1,6 +1,6 @@
 """Byte-level language-model data: the built-in corpus, any file, and enwik8 (DESIGN.md section 6).
 
-Training crops are a pure function of (seed, step, micro-batch, rank), so a resumed run sees
+Training crops are a pure function of (seed, step, micro-batch, rank, world size), so a resumed run sees
 exactly the batches an uninterrupted one would, with no loader state to save. Validation uses the
 same fixed crops in every run, so val_loss is comparable across runs and seeds.
 """
@@ -52,11 +52,14 @@ class ByteData:
         index = starts[:, None] + torch.arange(self.seq_len + 1)
         return data[index].long()
 
-    def train_batch(self, batch_size: int, *, seed: int, step: int, micro: int = 0, rank: int = 0) -> Tensor:
-        """Random crops [batch, seq_len + 1] for one micro-batch, reproducible from its coordinates."""
-        gen = torch.Generator().manual_seed(hash((seed, step, micro, rank)) & (2**62 - 1))
-        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (batch_size,), generator=gen)
-        return self._crops(self.train, starts)
+    def train_batch(self, batch_size: int, *, seed: int, step: int, micro: int = 0, rank: int = 0,
+                    world_size: int = 1) -> Tensor:
+        """Random crops [batch, seq_len + 1] for one rank's micro-batch, reproducible from its
+        coordinates: the global batch of batch_size * world_size crops is drawn once, and each
+        rank takes its own rows, so N ranks of batch b see what one process of batch N * b sees."""
+        gen = torch.Generator().manual_seed(hash((seed, step, micro, 0)) & (2**62 - 1))
+        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (batch_size * world_size,), generator=gen)
+        return self._crops(self.train, starts[rank * batch_size : (rank + 1) * batch_size])
 
     def val_batches(self, num_batches: int, batch_size: int) -> Iterator[Tensor]:
         """The same `num_batches` validation crops [batch, seq_len + 1] every time."""

@@ -4,6 +4,7 @@ import gzip
 
 import numpy as np
 import pytest
+import torch
 
 from experiments.data import ByteText, Enwik8
 from experiments.errors import UserError
@@ -26,8 +27,15 @@ def test_training_crops_are_reproducible_and_differ_by_coordinates(corpus):
     assert a.shape == (4, 65)
     assert (a == corpus.train_batch(4, seed=0, step=3, micro=1)).all()
     for other in (dict(seed=1, step=3, micro=1), dict(seed=0, step=4, micro=1), dict(seed=0, step=3, micro=0),
-                  dict(seed=0, step=3, micro=1, rank=1)):
+                  dict(seed=0, step=3, micro=1, rank=1, world_size=2)):
         assert not (a == corpus.train_batch(4, **other)).all()
+
+
+def test_ranks_share_out_the_global_batch(corpus):
+    """Two ranks of batch 2 see exactly the rows one process of batch 4 sees, none twice."""
+    whole = corpus.train_batch(4, seed=0, step=5, micro=2)
+    ranks = [corpus.train_batch(2, seed=0, step=5, micro=2, rank=r, world_size=2) for r in (0, 1)]
+    assert (torch.cat(ranks) == whole).all()
 
 
 def test_validation_crops_are_the_same_every_time(corpus):
