@@ -3,6 +3,7 @@
     python train.py                                   # NSA LM on the built-in corpus
     python train.py model=transformer trainer.max_steps=50
     python train.py -m model.num_fine_selected=2,4,8  # a sweep: one run directory per job
+    torchrun --nproc_per_node=2 train.py backend=ddp  # every rank, one run directory
 
 Heavy imports (torch, the models) happen inside main, so `--help` stays fast.
 """
@@ -41,4 +42,10 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from experiments.launch import prepare_argv
+
+    # a launcher's --local_rank, and one run directory for every rank, before Hydra parses argv
+    sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]
     main()

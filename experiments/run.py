@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
+from experiments import launch
 from experiments.errors import TrainingError, UserError
 from experiments.files import atomic_write_json, atomic_write_text
 
@@ -132,8 +133,8 @@ class Run:
     def continue_wall_clock(self, seconds: float) -> None:
         self._wall_before = seconds
 
-    def write_summary(self, status: str) -> None:
-        if self.is_main:
+    def write_summary(self, status: str, force: bool = False) -> None:
+        if self.is_main or force:
             self.summary.update(status=status, wall_s=round(self.wall_s(), 2))
             self.summary.setdefault("error", None)
             atomic_write_json(self.summary_path, self.summary)
@@ -162,6 +163,10 @@ class Run:
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
         if exc_type is None:
+            if failure := launch.first_failure():  # another rank failed: so did the job
+                self.summary["error"] = failure
+                self.write_summary("failed")
+                return False
             self.write_summary("interrupted" if self.stop_requested else "completed")
             return False
         if issubclass(exc_type, KeyboardInterrupt):
@@ -170,8 +175,10 @@ class Run:
             return False
         known = issubclass(exc_type, (UserError, TrainingError))
         message = str(exc) if known else f"{exc_type.__name__}: {exc}"
-        self.summary["error"] = message
-        self.write_summary("failed")
+        launch.report_failure(message)
+        # the first failing rank's error, not a collective's timeout on the ranks that waited for it
+        self.summary["error"] = launch.first_failure() or message
+        self.write_summary("failed", force=True)  # a failing rank records why even if rank 0 cannot
         if known:
             log.error("%s", message)
         else:

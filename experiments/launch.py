@@ -1,0 +1,122 @@
+"""What a launcher hands a process, made ready before Hydra reads the command line.
+
+torchrun and the `deepspeed` launcher start one process per rank with RANK, LOCAL_RANK and
+WORLD_SIZE in the environment; the `deepspeed` launcher also appends `--local_rank=N`, which
+Hydra would reject as an override. `prepare_argv` removes that argument (the value goes to
+LOCAL_RANK) and makes every rank use one run directory: rank 0 picks the timestamped directory
+and shares it through a key-value store (torchrun's own, or one rank 0 hosts at MASTER_PORT),
+so ranks whose clocks read different seconds do not each create their own. Ranks other than 0
+write no .hydra/ files and log to train.rank<k>.log.
+
+The store is kept for the backends' process group, and for a failing rank to leave its error
+where rank 0 finds it.
+
+Only the standard library is imported at module level: `train.py --help` stays fast.
+"""
+
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Optional
+
+_store = None  # the job's key-value store, once a multi-process launch has made it
+_PREFIX = "sparse_attention/"
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def prepare_argv(argv: list[str]) -> list[str]:
+    """argv without `--local_rank`, plus the run directory every rank shares."""
+    argv = _without_local_rank(argv)
+    if world_size() == 1 or any(a in ("-m", "--multirun") for a in argv):
+        return argv
+    run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
+    if run_dir is None:
+        key = _PREFIX + "run_dir/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if rank() == 0:
+            run_dir = time.strftime("outputs/%Y-%m-%d/%H-%M-%S")  # conf/config.yaml's hydra.run.dir
+            store().set(key, run_dir)
+        else:
+            run_dir = store().get(key).decode()
+        argv = [*argv, f"hydra.run.dir={run_dir}"]
+    if rank() != 0:
+        argv = [*argv, "hydra.output_subdir=null", "hydra.job_logging.root.handlers=[file]",
+                f"hydra.job_logging.handlers.file.filename={run_dir}/train.rank{rank()}.log"]
+    return argv
+
+
+def _without_local_rank(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
+        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ["LOCAL_RANK"] = argv[i + 1]
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def store(timeout_s: float = 300.0):
+    """The job's TCPStore: torchrun's agent store when there is one, else hosted by rank 0."""
+    global _store
+    if _store is None:
+        from torch.distributed import TCPStore
+
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        _store = TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
+            world_size(), is_master=rank() == 0 and not agent, timeout=timedelta(seconds=timeout_s),
+        )
+    return _store
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """One process group over every rank (a single process gets a group of one, as DeepSpeed
+    needs), with collectives that give up after timeout_s instead of hanging on a dead rank."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    if world_size() == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend, store=dist.PrefixStore(_PREFIX + "pg", store()), rank=rank(),
+                            world_size=world_size(), timeout=timeout)
+
+
+def report_failure(message: str) -> None:
+    """Record the first failing rank's error for rank 0's summary (no-op in one process)."""
+    if world_size() > 1 and _store is not None:
+        try:
+            _store.compare_set(_PREFIX + "failure", "", f"rank {rank()}: {message}")
+        except Exception:  # the store died with rank 0: the error is still in this rank's log
+            pass
+
+
+def first_failure() -> Optional[str]:
+    """The error a rank recorded first, if any."""
+    if world_size() == 1 or _store is None:
+        return None
+    try:
+        if _store.check([_PREFIX + "failure"]):
+            return _store.get(_PREFIX + "failure").decode()
+    except Exception:
+        pass
+    return None
