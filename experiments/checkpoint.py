@@ -6,6 +6,7 @@ A checkpoint is a plain dict of tensors, numbers and strings:
 """
 
 import re
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +38,7 @@ def save(state: dict, directory: Path, keep: int = 1) -> Path:
     atomic_write(path, lambda tmp: torch.save({"format": FORMAT, **state}, tmp))
     for old in list_checkpoints(directory)[: -max(keep, 1)]:
         old.unlink(missing_ok=True)
+        shutil.rmtree(old.with_suffix(""), ignore_errors=True)  # its engine state (DeepSpeed), if any
     return path
 
 

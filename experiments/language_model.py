@@ -19,11 +19,14 @@ from torch import nn
 from tqdm import tqdm
 
 from experiments import checkpoint
+from experiments.backends import Trainee
 from experiments.errors import TrainingError, UserError
 from experiments.throughput import matmul_peak_flops, training_flops_per_token
 from models.sampling import generate
 
 log = logging.getLogger(__name__)
+
+IGNORE = -100  # target value that cross_entropy skips
 
 # config sections that must match for a checkpoint to continue this run
 _RESUME_MUST_MATCH = ("model", "draft", "data", "optimizer", "schedule", "task")
@@ -31,17 +34,24 @@ _RESUME_MUST_MATCH = ("model", "draft", "data", "optimizer", "schedule", "task")
 
 @dataclass
 class Member:
-    prefix: str  # of its metrics and checkpoint entries: "" for the model, "draft_" for the draft
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
+    trainee: Trainee  # the model as the backend trains it
     schedule: torch.optim.lr_scheduler.LRScheduler
+
+    @property
+    def prefix(self) -> str:  # of its metrics and checkpoint entries: "" for the model, "draft_" for the draft
+        return self.trainee.prefix
+
+    @property
+    def model(self) -> nn.Module:
+        return self.trainee.module
 
 
 class LanguageModelTask:
     task_name = "lm"
 
     def __init__(self, prime_length: int = 64, generate_length: int = 256, num_samples: int = 1,
-                 temperature: float = 1.0, top_k: Optional[int] = None):
+                 temperature: float = 1.0, top_k: Optional[int] = None, randomly_truncate_sequence: bool = False):
+        self.randomly_truncate_sequence = randomly_truncate_sequence
         self.prime_length = prime_length
         self.generate_length = generate_length
         self.num_samples = num_samples
@@ -52,16 +62,20 @@ class LanguageModelTask:
         if self.prime_length >= data.seq_len:
             raise UserError(f"task.prime_length={self.prime_length} must be shorter than data.seq_len={data.seq_len}")
         self.run, self.trainer, self.backend, self.data, self.tracker = run, cfg.trainer, backend, data, tracker
-        self.members = []
-        for prefix, net in (("", model), ("draft_", draft)):
-            if net is not None:
-                net = backend.prepare(net)
-                opt = optimizer(net.parameters())
-                self.members.append(Member(prefix, net, opt, schedule(opt)))
-        self.model = self.members[0].model
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        nets = {prefix: net for prefix, net in (("", model), ("draft_", draft)) if net is not None}
+        resume_from, state = self._find_checkpoint()
+        if state is not None:  # weights before the backend wraps the models (DeepSpeed copies them)
+            self._load_models(state, resume_from, nets)
         device = backend.device
-        self.flops_per_token = sum(training_flops_per_token(m.model, data.seq_len, device) for m in self.members)
+        # counted before the backend wraps the models: a wrapper's gradient hooks must see only training
+        self.flops_per_token = sum(training_flops_per_token(net.to(device), data.seq_len, device)
+                                   for net in nets.values())
+        self.members = []
+        for prefix, net in nets.items():
+            trainee = backend.prepare(prefix, net, optimizer)
+            self.members.append(Member(trainee, schedule(trainee.optimizer)))
+        self.model = self.members[0].model
         peak_dtype = torch.bfloat16 if backend.precision == "bf16" else torch.float32
         self.peak_flops = matmul_peak_flops(device, peak_dtype)
         run.update_summary(
@@ -77,7 +91,7 @@ class LanguageModelTask:
             step=0,
         )
         self._throughput: list[tuple[float, int]] = []  # (tokens/s, steps) per logging window
-        start = self._restore()
+        start = self._restore(resume_from, state)
         log.info("model %s: %.2fM parameters on %s, %s; data %s", run.choices.get("model"),
                  run.summary["params"] / 1e6, device, backend.precision, data.fingerprint)
         run.write_summary("running")  # now with the model's and the data's figures
@@ -131,25 +145,43 @@ class LanguageModelTask:
         tr, data = self.trainer, self.data
         totals = {m.prefix: 0.0 for m in self.members}
         for micro in range(tr.grad_accum):
-            batch = data.train_batch(tr.batch_size, seed=tr.seed, step=step, micro=micro, rank=self.backend.rank)
+            batch = data.train_batch(tr.batch_size, seed=tr.seed, step=step, micro=micro, rank=self.backend.rank,
+                                     world_size=self.backend.world_size)
             batch = batch.to(self.backend.device, non_blocking=True)
+            targets = batch[:, 1:]
+            if self.randomly_truncate_sequence:
+                targets = self._truncated(targets, step, micro)
             for m in self.members:
                 m.model.train()
                 with self.backend.autocast():
-                    logits = m.model(batch[:, :-1])
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()) + m.model.aux_loss()
-                self.backend.backward(loss / tr.grad_accum)
+                    logits = m.trainee.forward(batch[:, :-1])
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+                    loss = loss + m.model.aux_loss()
+                self.backend.backward(loss / tr.grad_accum, m.trainee)
                 totals[m.prefix] += loss.item() / tr.grad_accum
+        totals = {prefix: self.backend.all_reduce_mean(total) for prefix, total in totals.items()}
         for prefix, total in totals.items():
             if not math.isfinite(total):
                 raise TrainingError(
                     f"the training {prefix}loss is {total} at step {step + 1}; the last good checkpoint is kept. "
                     "Lower optimizer.lr, set trainer.clip_grad_norm, or use trainer.precision=fp32"
                 )
-        self.backend.step([(m.optimizer, m.model.parameters()) for m in self.members], tr.clip_grad_norm)
+        self.backend.step([m.trainee for m in self.members], tr.clip_grad_norm)
         for m in self.members:
             m.schedule.step()
+            m.model.after_optimizer_step()
         return {f"{prefix}loss": total for prefix, total in totals.items()}
+
+    def _truncated(self, targets: torch.Tensor, step: int, micro: int) -> torch.Tensor:
+        """The seed's randomly_truncate_sequence: each row keeps a random length in [1, seq] and
+        its later targets are ignored. For a causal model that is training on the truncated row
+        (no position sees the ones after it), without reshaping the batch."""
+        tr = self.trainer
+        gen = torch.Generator().manual_seed(hash((tr.seed, step, micro, self.backend.rank, 1)) & (2**62 - 1))
+        b, n = targets.shape
+        lengths = torch.randint(1, n + 1, (b, 1), generator=gen).to(targets.device)
+        beyond = torch.arange(n, device=targets.device)[None, :] >= lengths
+        return targets.masked_fill(beyond, IGNORE)
 
     @torch.no_grad()
     def _validate(self, step: int) -> None:
@@ -158,8 +190,10 @@ class LanguageModelTask:
         for m in self.members:
             m.model.eval()
             losses = []
-            for batch in self.data.val_batches(tr.val_batches, tr.batch_size):
-                batch = batch.to(self.backend.device)
+            rank, b = self.backend.rank, tr.batch_size
+            # the global batches of every rank together, shared out by rows as in training
+            for batch in self.data.val_batches(tr.val_batches, b * self.backend.world_size):
+                batch = batch[rank * b : (rank + 1) * b].to(self.backend.device)
                 with self.backend.autocast():
                     logits = m.model(batch[:, :-1])
                 losses.append(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).item())
@@ -196,25 +230,27 @@ class LanguageModelTask:
     def _checkpoint(self, step: int) -> None:
         self._update_throughput_summary()
         self.run.update_summary(step=step)
+        path = checkpoint.checkpoint_path(self.run.checkpoint_dir, step)
+        self.run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        # every rank: a distributed backend writes its own state collectively
+        state = self.backend.checkpoint_state([m.trainee for m in self.members], self.run.checkpoint_dir, path.stem)
         if not self.run.is_main:
             return
-        state = {
+        state.update({
             "step": step,
-            "scaler": self.backend.scaler.state_dict(),
             "rng": _rng_state(),
             "config": self.config_yaml,
             "data_fingerprint": self.data.fingerprint,
             "wall_s": self.run.wall_s(),
             "summary": dict(self.run.summary),
-        }
+        })
         for m in self.members:
-            state.update({f"{m.prefix}model": m.model.state_dict(), f"{m.prefix}optimizer": m.optimizer.state_dict(),
-                          f"{m.prefix}schedule": m.schedule.state_dict()})
-        path = checkpoint.save(state, self.run.checkpoint_dir, keep=self.trainer.keep_checkpoints)
+            state[f"{m.prefix}schedule"] = m.schedule.state_dict()
+        checkpoint.save(state, self.run.checkpoint_dir, keep=self.trainer.keep_checkpoints)
         log.info("checkpoint %s", path)
 
-    def _restore(self) -> int:
-        """Load the checkpoint trainer.resume names; returns the step to continue from."""
+    def _find_checkpoint(self):
+        """The checkpoint trainer.resume names, loaded (None, None when there is none)."""
         spec = self.trainer.resume
         own = checkpoint.latest(self.run.checkpoint_dir)
         if own is None:  # a new run in this directory: its .hydra files are the ones to keep
@@ -226,19 +262,22 @@ class LanguageModelTask:
                     f"{self.run.dir} already holds checkpoints and trainer.resume=never would overwrite this "
                     "run: choose a new hydra.run.dir, or trainer.resume=auto to continue it"
                 )
-            return 0
+            return None, None
         path = own if spec == "auto" else checkpoint.resolve(spec)
         if path is None:
+            return None, None
+        return path, checkpoint.load(path, map_location="cpu")
+
+    def _restore(self, path, state) -> int:
+        """Continue from the loaded checkpoint (weights are in already); returns the start step."""
+        if state is None:
             return 0
-        state = checkpoint.load(path, map_location=self.backend.device)
-        self._load_models(state, path)
-        if spec != "auto" and path.parent != self.run.checkpoint_dir:  # weights from elsewhere: a new run
+        if self.trainer.resume != "auto" and path.parent != self.run.checkpoint_dir:  # weights from elsewhere
             log.info("initialised the model from %s", path)
             return 0
+        self.backend.load_checkpoint_state([m.trainee for m in self.members], state, path)
         for m in self.members:
-            m.optimizer.load_state_dict(state[f"{m.prefix}optimizer"])
             m.schedule.load_state_dict(state[f"{m.prefix}schedule"])
-        self.backend.scaler.load_state_dict(state["scaler"])
         _set_rng_state(state["rng"])
         step = int(state["step"])
         self.run.continue_wall_clock(float(state["wall_s"]))
@@ -248,7 +287,7 @@ class LanguageModelTask:
         log.info("resumed from %s at step %d", path, step)
         return step
 
-    def _load_models(self, state: dict, path) -> None:
+    def _load_models(self, state: dict, path, nets: dict) -> None:
         """Load the weights, refusing (with the differing keys) a checkpoint of another config."""
         saved = OmegaConf.create(state["config"])
         current = OmegaConf.create(self.config_yaml)
@@ -263,11 +302,11 @@ class LanguageModelTask:
                 f"{path} was trained with a different config ({', '.join(differ)} differ), so this run "
                 "cannot continue it: use a new hydra.run.dir, or pass the same overrides as before"
             )
-        for m in self.members:
+        for prefix, net in nets.items():
             try:
-                m.model.load_state_dict(state[f"{m.prefix}model"])
+                net.load_state_dict(state[f"{prefix}model"])
             except (RuntimeError, KeyError) as e:
-                raise UserError(f"{path} does not fit this {m.prefix}model ({str(e).splitlines()[0]}); "
+                raise UserError(f"{path} does not fit this {prefix}model ({str(e).splitlines()[0]}); "
                                 "check the model overrides") from None
 
     def _update_throughput_summary(self) -> None:

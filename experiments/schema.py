@@ -92,6 +92,9 @@ class TransformerConfig:
     heads: int = 4
     dim_head: int = 64
     ff_mult: float = 4.0
+    ff_chunks: int = 1  # the feed-forward runs on this many slices of the sequence in turn
+    emb_dim: Optional[int] = None  # a factorised token embedding of this width; null: dim
+    reversible: bool = False  # reversible residual layers: activation memory flat in depth
     attn_dropout: float = 0.0
     ff_dropout: float = 0.0
 
@@ -107,6 +110,25 @@ class NSAConfig(TransformerConfig):
     num_fine_selected: int = 4
     compress_hidden_mult: float = 1.0  # hidden width of the compression MLP, in dim_head units
     kernel: Kernel = Kernel.auto
+
+
+@dataclass
+class SinkhornConfig(TransformerConfig):
+    _target_: str = "models.lm.sinkhorn_lm"
+    bucket_size: int = 64
+    n_local_attn_heads: Any = 0  # an int, or one int per layer
+    sinkhorn_iter: int = 5
+    temperature: float = 0.75
+
+
+@dataclass
+class RoutingConfig(TransformerConfig):
+    _target_: str = "models.lm.routing_lm"
+    window_size: int = 64
+    num_clusters: int = 8
+    n_local_attn_heads: Any = 0  # an int, or one int per layer, e.g. [8, 8, 8, 8, 4, 4, 2, 2]
+    ema_decay: float = 0.99  # of the k-means centroids, per optimizer step
+    commitment_weight: float = 1e-4
 
 
 # ---- data ----------------------------------------------------------------------------------
@@ -176,6 +198,24 @@ class LocalBackendConfig:
 
 
 @dataclass
+class DDPBackendConfig:
+    _target_: str = "experiments.backends.DDPBackend"
+    timeout_s: float = 600.0  # a collective waiting longer for a dead rank fails the job
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class DeepSpeedBackendConfig:
+    _target_: str = "experiments.backends.DeepSpeedBackend"
+    zero_stage: int = 0  # 0-3
+    offload_optimizer: str = "none"  # none | cpu | nvme (ZeRO >= 1)
+    offload_param: str = "none"  # none | cpu | nvme (ZeRO 3)
+    initial_loss_scale_power: int = 16  # fp16: dynamic loss scaling starts at 2^this
+    config_file: Optional[str] = None  # a DeepSpeed JSON to start from; the trainer's keys win
+    timeout_s: float = 600.0
+
+
+@dataclass
 class NoTrackerConfig:
     """What names a run, whichever tracker records it (presets set these; `none` ignores them)."""
 
@@ -201,6 +241,7 @@ class LanguageModelTaskConfig:
     num_samples: int = 1
     temperature: float = 1.0
     top_k: Optional[int] = 32  # null: the full distribution
+    randomly_truncate_sequence: bool = False  # each training row keeps a random length (routing seed)
 
 
 @dataclass
@@ -243,11 +284,12 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(group="schema", name="config", node=Config)
     schemas = {
-        "model": {"transformer": TransformerConfig, "nsa": NSAConfig},
+        "model": {"transformer": TransformerConfig, "nsa": NSAConfig, "sinkhorn": SinkhornConfig,
+                  "routing": RoutingConfig},
         "data": {"text": TextDataConfig, "enwik8": Enwik8DataConfig},
         "optimizer": {"adam": AdamConfig, "adamw": AdamWConfig},
         "schedule": {"cosine": CosineScheduleConfig, "constant": ConstantScheduleConfig},
-        "backend": {"local": LocalBackendConfig},
+        "backend": {"local": LocalBackendConfig, "ddp": DDPBackendConfig, "deepspeed": DeepSpeedBackendConfig},
         "tracker": {"wandb": WandbConfig, "none": NoTrackerConfig},
         "task": {"lm": LanguageModelTaskConfig, "speculative": SpeculativeTaskConfig},
     }

@@ -42,7 +42,7 @@ def test_rows_accept_different_numbers_and_still_match():
     spec, stats = speculative_generate(target, target, prompt, 20, gamma=4, temperature=0)
     assert torch.equal(spec, generate(target, prompt, 20, temperature=0))
     assert stats.acceptance_rate == 1.0  # a draft that is the target is always accepted
-    draft = dense(1, 5)
+    draft = dense(1, 4)  # a random draft that agrees with the target for 0 to 3 tokens in a row
     spec, stats = speculative_generate(target, draft, prompt, 20, gamma=4, temperature=0)
     assert torch.equal(spec, generate(target, prompt, 20, temperature=0))
     assert len(set(stats.accepted)) > 1  # verification steps accepted different numbers
