@@ -68,7 +68,9 @@ class LanguageModelTask:
         if state is not None:  # weights before the backend wraps the models (DeepSpeed copies them)
             self._load_models(state, resume_from, nets)
         device = backend.device
-        # counted before the backend wraps the models: a wrapper's gradient hooks must see only training
+        # counted before the backend wraps the models (ZeRO-3 partitions the parameters)
+        self.param_counts = {prefix: sum(p.numel() for p in net.parameters()) for prefix, net in nets.items()}
+        # FLOPs too: a wrapper's gradient hooks must see only training
         self.flops_per_token = sum(training_flops_per_token(net.to(device), data.seq_len, device)
                                    for net in nets.values())
         self.members = []
@@ -81,7 +83,7 @@ class LanguageModelTask:
         run.update_summary(
             task=self.task_name,
             model=run.choices.get("model"),
-            **{f"{m.prefix}params": sum(p.numel() for p in m.model.parameters()) for m in self.members},
+            **{f"{prefix}params": params for prefix, params in self.param_counts.items()},
             data=data.name,
             data_fingerprint=data.fingerprint,
             device=str(device),

@@ -29,13 +29,19 @@ def training_flops_per_token(model: nn.Module, seq_len: int, device: torch.devic
     sparse attention's savings included)."""
     # its own generator and eval mode (no dropout): counting leaves the run's random state alone
     tokens = torch.randint(0, model.num_tokens, (1, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
-    was_training = model.training
+    was_training, was_reversible = model.training, getattr(model, "reversible", False)
     model.eval()
+    # a reversible model's recomputation is not useful work (as with activation checkpointing),
+    # and the counter's module hooks cannot follow a backward that calls autograd itself
+    model.reversible = False
     counter = FlopCounterMode(display=False)
-    with counter:
-        model(tokens).float().logsumexp(-1).mean().backward()
-    model.zero_grad(set_to_none=True)
-    model.train(was_training)
+    try:
+        with counter:
+            model(tokens).float().logsumexp(-1).mean().backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        model.reversible = was_reversible
     return counter.get_total_flops() / seq_len
 
 

@@ -91,3 +91,13 @@ def test_inference_equals_the_training_forward():
     training_path = model(tokens)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), training_path)
+
+
+def test_a_reversible_run_trains_and_counts_its_flops(tmp_path):
+    from conftest import read_summary, train
+
+    run = tmp_path / "run"
+    train(run, "model=sinkhorn", "model.bucket_size=8", "model.n_local_attn_heads=1", "model.reversible=true",
+          "model.ff_chunks=2", "model.emb_dim=16", "trainer.max_steps=3", "schedule=constant")
+    summary = read_summary(run)
+    assert summary["status"] == "completed" and summary["flops_per_token"] > 0

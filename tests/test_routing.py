@@ -138,3 +138,19 @@ def test_generation_works_before_any_training():
 def test_bad_knobs_are_refused_with_the_key(bad, message):
     with pytest.raises(ValueError, match=message):
         tiny_routing(**bad)
+
+
+ROUTING_RUN = ["model=routing", "model.n_local_attn_heads=1", "model.window_size=8", "model.num_clusters=2",
+               "schedule=constant", "trainer.validate_every=0", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3"]
+
+
+def test_centroids_move_in_training_and_a_resumed_run_continues_with_them(tmp_path):
+    from conftest import losses, train
+
+    train(tmp_path / "whole", *ROUTING_RUN, "trainer.max_steps=6")
+    train(tmp_path / "split", *ROUTING_RUN, "trainer.max_steps=3")
+    train(tmp_path / "split", *ROUTING_RUN, "trainer.max_steps=6")  # resumes at step 3
+    assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-6)
+    saved = [torch.load(p, weights_only=True)["model"]["blocks.0.attn.centroids"]
+             for p in sorted((tmp_path / "whole" / "checkpoints").glob("step_*.pt"))]
+    assert len(saved) == 3 and not torch.allclose(saved[0], saved[-1])

@@ -1,6 +1,6 @@
 """Masked attention over small key sets (buckets, windows) that keeps only its inputs for the
-backward pass, not the attention weights: the weights are recomputed from q, k and the saved
-log-sum-exp, as flash attention does. Sinkhorn and routing attention call it on their bucketed
+backward pass, not the attention weights: the weights are recomputed from q and k in the
+backward pass, as flash attention does. Sinkhorn and routing attention call it on their bucketed
 layouts, where scaled_dot_product_attention (with a mask, on the CPU) would keep the scores,
 a float copy of the mask and the weights of every layer until the backward pass.
 """
@@ -25,22 +25,20 @@ class _MaskedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, keep, dropout):
         scale = q.shape[-1] ** -0.5  # applied to q: fewer elements than the scores
-        scores = _softmax_precision((q * scale) @ k.transpose(-1, -2)).masked_fill_(~mask, float("-inf"))
-        lse = scores.logsumexp(dim=-1, keepdim=True)
-        weights = scores.sub_(lse).exp_()
+        weights = _probabilities(q * scale, k, mask)
         if keep is not None:
             weights.mul_(keep).div_(1 - dropout)
         out = weights.to(v.dtype) @ v
-        ctx.save_for_backward(q, k, v, mask, keep, lse)
+        ctx.save_for_backward(q, k, v, mask, keep)
         ctx.dropout = dropout
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask, keep, lse = ctx.saved_tensors
+        q, k, v, mask, keep = ctx.saved_tensors
         scale = q.shape[-1] ** -0.5
         q_scaled = q * scale
-        probs = _softmax_precision(q_scaled @ k.transpose(-1, -2)).masked_fill_(~mask, float("-inf")).sub_(lse).exp_()
+        probs = _probabilities(q_scaled, k, mask)
         grad_out = grad_out.to(v.dtype)
         dropped = probs if keep is None else probs * keep / (1 - ctx.dropout)
         grad_v = dropped.to(v.dtype).transpose(-1, -2) @ grad_out
@@ -52,6 +50,12 @@ class _MaskedAttention(torch.autograd.Function):
         grad_q = (grad_scores @ k).mul_(scale)
         grad_k = grad_scores.transpose(-1, -2) @ q_scaled
         return grad_q, grad_k, grad_v, None, None, None
+
+
+def _probabilities(q_scaled: Tensor, k: Tensor, mask: Tensor) -> Tensor:
+    """softmax over the allowed keys, [..., m, n] (one fused kernel; recomputed in the backward)."""
+    scores = _softmax_precision(q_scaled @ k.transpose(-1, -2)).masked_fill_(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
 
 
 def _softmax_precision(t: Tensor) -> Tensor:

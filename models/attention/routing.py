@@ -133,24 +133,25 @@ class RoutingAttention(nn.Module):
         w = self.window
         positions = torch.arange(n, device=qk.device)
         order = (clusters * n + positions).argsort(dim=-1)  # by cluster, then position
-        gather = order[..., None].expand(-1, -1, -1, d)
-        ids = clusters.gather(2, order)
-        pad = -n % w
-        chunks = (n + pad) // w
-        # sorted, padded to whole chunks, preceded by one chunk of zeros (cluster -2, never matched)
-        qks, vs = (F.pad(t.gather(2, gather), (0, 0, w, pad)) for t in (qk, v))
-        ids = F.pad(F.pad(ids, (0, pad), value=-1), (w, 0), value=-2)  # padding: a cluster of its own
-        # chunk c's queries against chunks c - 1 and c (views, no copies)
-        queries = qks[:, :, w:].unflatten(2, (chunks, w))
-        keys, values = (t.unfold(2, 2 * w, w).transpose(-1, -2) for t in (qks, vs))
-        key_ids = ids.unfold(2, 2 * w, w)
-        query_ids = ids[:, :, w:].unflatten(2, (chunks, w))
+        chunks = -(-n // w)
+        # each token's slot in the sorted sequence, after one leading chunk (chunk -1: zeros in
+        # cluster -2, never matched) and before the padding to whole chunks (cluster -1, its own)
+        slots = order.argsort(dim=-1) + w
+        total = (chunks + 1) * w
+        qks, vs = (t.new_zeros(b, h, total, d).scatter(2, slots[..., None].expand(-1, -1, -1, d), t) for t in (qk, v))
+        ids = clusters.new_full((b, h, total), -1)
+        ids[:, :, :w] = -2
+        ids.scatter_(2, slots, clusters)
+        # chunk c's queries against chunks c - 1 and c
+        qk_grid, v_grid, id_grid = (t.unflatten(2, (chunks + 1, w)) for t in (qks, vs, ids))
+        queries, query_ids = qk_grid[:, :, 1:], id_grid[:, :, 1:]
+        keys, values, key_ids = (torch.cat((t[:, :, :-1], t[:, :, 1:]), dim=3) for t in (qk_grid, v_grid, id_grid))
         distance = torch.arange(w, device=qk.device)[:, None] + w - torch.arange(2 * w, device=qk.device)
         in_window = (distance >= 0) & (distance < w)  # query index - key index, in sorted order
         mask = (query_ids[..., :, None] == key_ids[..., None, :]) & in_window
         keep = self._dropout_keep(order, distance.clamp(0, w - 1), chunks) if self.training and self.dropout else None
         out = masked_attention(queries, keys, values, mask, keep, self.dropout).flatten(2, 3)[:, :, :n]
-        return torch.empty_like(out).scatter_(2, gather, out)
+        return torch.empty_like(out).scatter_(2, order[..., None].expand(-1, -1, -1, d), out)  # back in order
 
     def _dropout_keep(self, order: Tensor, distance: Tensor, chunks: int) -> Tensor:
         """Which attention weights survive dropout, [b, h, chunks, w, 2w]. The random draws are
