@@ -101,18 +101,14 @@ class SinkhornAttention(nn.Module):
         keep = None
         if self.training and self.dropout:  # drawn on the bucket grid: indexed by position alone
             keep = torch.rand(*queries.shape[:-1], 2 * B, device=q.device) >= self.dropout
-        L = self.local_heads
-        outs = []
-        if L:  # [previous bucket, own bucket]
-            keys, values = (torch.cat((t[:, :L, :-1], t[:, :L, 1:]), dim=3) for t in (k_grid, v_grid))
-            outs.append(masked_attention(queries[:, :L], keys, values, mask,
-                                         None if keep is None else keep[:, :L], self.dropout))
-        if self.sort_heads:  # [sorted bucket, own bucket]
+        # keys and values per query bucket: [extra bucket, own bucket], where the extra bucket is
+        # the previous one for local heads and the sorted one for Sinkhorn heads
+        sorted_k = sorted_v = None
+        if self.sort_heads:
             sorted_k, sorted_v = self._sorted_buckets(x, k, v, first, last)
-            keys, values = (torch.cat((s_, t[:, L:, 1:]), dim=3) for s_, t in ((sorted_k, k_grid), (sorted_v, v_grid)))
-            outs.append(masked_attention(queries[:, L:], keys, values, mask,
-                                         None if keep is None else keep[:, L:], self.dropout))
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        keys = _BucketPairs.apply(k_grid, sorted_k, self.local_heads)
+        values = _BucketPairs.apply(v_grid, sorted_v, self.local_heads)
+        out = masked_attention(queries, keys, values, mask, keep, self.dropout)
         return out.flatten(2, 3)[:, :, offset : offset + n]
 
     def _sorted_buckets(self, x: Tensor, k: Tensor, v: Tensor, first: int, last: int) -> tuple[Tensor, Tensor]:
@@ -157,6 +153,31 @@ def sinkhorn(scores: Tensor, iterations: int, temperature: float, noise: bool = 
         logits = (logits - logits.logcumsumexp(dim=-2)).masked_fill(~allowed, _MASKED)
         logits = (logits - logits.logsumexp(dim=-1, keepdim=True)).masked_fill(~allowed, _MASKED)
     return logits.exp().masked_fill(~allowed, 0.0)
+
+
+class _BucketPairs(torch.autograd.Function):
+    """grid [b, h, count + 1, B, d] (bucket first - 1 .. last), sorted [b, h - local, count, B, d]
+    or None -> [b, h, count, 2B, d]: each bucket's extra bucket (the previous one for the first
+    `local` heads, the sorted one for the rest), then the bucket itself.
+
+    The same as torch.cat of slices of the grid, with a backward that writes the grid's gradient
+    once: autograd would give every slice its own zero-filled copy of the grid."""
+
+    @staticmethod
+    def forward(ctx, grid: Tensor, sorted_: Optional[Tensor], local: int) -> Tensor:
+        ctx.local, ctx.has_sorted = local, sorted_ is not None
+        extra = grid[:, :local, :-1] if sorted_ is None else torch.cat((grid[:, :local, :-1], sorted_), dim=1)
+        return torch.cat((extra, grid[:, :, 1:]), dim=3)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        B, local = grad.shape[3] // 2, ctx.local
+        grad_extra, grad_own = grad[:, :, :, :B], grad[:, :, :, B:]
+        b, h, count, _, d = grad.shape
+        grad_grid = grad.new_zeros(b, h, count + 1, B, d)
+        grad_grid[:, :, 1:] = grad_own
+        grad_grid[:, :local, :-1] += grad_extra[:, :local]
+        return grad_grid, grad_extra[:, local:] if ctx.has_sorted else None, None
 
 
 def _grid(t: Tensor, before: int, after: int) -> Tensor:
