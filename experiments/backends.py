@@ -80,6 +80,10 @@ class LocalBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
+    def accumulating(self, trainee: Trainee, last: bool):
+        """Context for one micro-batch's forward and backward; `last`: the step's final one."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: Tensor, trainee: Trainee) -> None:
         self.scaler.scale(loss).backward()
 
@@ -146,6 +150,11 @@ class DDPBackend(LocalBackend):
         wrapped = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None,
                                           find_unused_parameters=self.find_unused_parameters)
         return Trainee(prefix, model, wrapped, make_optimizer(model.parameters()))
+
+    def accumulating(self, trainee: Trainee, last: bool):
+        """Gradients are averaged over the ranks once per optimizer step, in the last micro-batch's
+        backward, not after every micro-batch."""
+        return contextlib.nullcontext() if last else trainee.forward.no_sync()
 
     def all_reduce_mean(self, value: float) -> float:
         import torch.distributed as dist
@@ -214,6 +223,9 @@ class DeepSpeedBackend(DDPBackend):
 
     def autocast(self):
         return contextlib.nullcontext()  # the engine holds the model in the training precision
+
+    def accumulating(self, trainee: Trainee, last: bool):
+        return contextlib.nullcontext()  # the engine knows its accumulation boundary
 
     def backward(self, loss: Tensor, trainee: Trainee) -> None:
         """The task has divided the loss by the accumulation steps already; the engine's step

@@ -155,11 +155,12 @@ class LanguageModelTask:
                 targets = self._truncated(targets, step, micro)
             for m in self.members:
                 m.model.train()
-                with self.backend.autocast():
-                    logits = m.trainee.forward(batch[:, :-1])
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
-                    loss = loss + m.model.aux_loss()
-                self.backend.backward(loss / tr.grad_accum, m.trainee)
+                with self.backend.accumulating(m.trainee, last=micro == tr.grad_accum - 1):
+                    with self.backend.autocast():
+                        logits = m.trainee.forward(batch[:, :-1])
+                        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+                        loss = loss + m.model.aux_loss()
+                    self.backend.backward(loss / tr.grad_accum, m.trainee)
                 totals[m.prefix] += loss.item() / tr.grad_accum
         totals = {prefix: self.backend.all_reduce_mean(total) for prefix, total in totals.items()}
         for prefix, total in totals.items():

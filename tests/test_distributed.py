@@ -46,9 +46,10 @@ def test_deepspeed_checkpoint_loads_into_the_local_backend(tmp_path):
     assert "initialised the model from" in (tmp_path / "local" / "train.log").read_text()
 
 
-def test_two_ddp_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path):
-    torchrun(tmp_path, *STEPS, "backend=ddp", "trainer.batch_size=2", "hydra.run.dir=ddp")
-    train(tmp_path / "one", *STEPS, "trainer.batch_size=4")
+@pytest.mark.parametrize("accum", [1, 2], ids=["no-accumulation", "accumulation2"])
+def test_two_ddp_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path, accum):
+    torchrun(tmp_path, *STEPS, "backend=ddp", "trainer.batch_size=2", f"trainer.grad_accum={accum}", "hydra.run.dir=ddp")
+    train(tmp_path / "one", *STEPS, "trainer.batch_size=4", f"trainer.grad_accum={accum}")
     assert losses(tmp_path / "ddp") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     val = [r["val_loss"] for r in read_metrics(tmp_path / "ddp") if "val_loss" in r]
     assert val == pytest.approx([r["val_loss"] for r in read_metrics(tmp_path / "one") if "val_loss" in r], rel=1e-5)
@@ -99,3 +100,24 @@ def test_deepspeed_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
     assert resumed.keys() == whole.keys()
     assert resumed == pytest.approx(whole, rel=1e-6)
     assert not list(ckpts.glob("*.partial"))
+
+
+needs_cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["local", "ddp", "deepspeed"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_a_gpu(tmp_path, backend, precision):
+    """Half-precision training on one GPU: finite losses that fall, for every backend."""
+    run = tmp_path / "run"
+    if backend == "ddp":
+        result = torchrun(tmp_path, "trainer.max_steps=20", f"trainer.precision={precision}", "backend=ddp",
+                          "hydra.run.dir=run", nproc=1)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        train(run, "trainer.max_steps=20", f"trainer.precision={precision}", f"backend={backend}")
+    steps = losses(run)
+    assert all(v == v and v < 10 for v in steps.values()) and steps[20] < steps[1]
+    assert read_summary(run)["precision"] == precision
