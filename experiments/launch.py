@@ -15,7 +15,6 @@ Only the standard library is imported at module level: `train.py --help` stays f
 """
 
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Optional

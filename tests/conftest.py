@@ -56,6 +56,20 @@ def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
 
 
+def kill_after_first_checkpoint(run_dir: Path, *overrides: str, timeout: float = 180) -> None:
+    """Start train.py and SIGKILL it as soon as its first checkpoint is on disk."""
+    import signal
+    import time
+
+    proc = start_train(run_dir, *overrides)
+    ckpts = Path(run_dir) / "checkpoints"
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (ckpts.is_dir() and any(ckpts.glob("step_*.pt"))):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 def _env() -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0"}
 

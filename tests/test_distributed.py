@@ -1,7 +1,6 @@
 """The ddp and deepspeed backends on the CPU (gloo): equal losses to the local backend, one run
 directory for every rank, resume, the deepspeed launcher's argument, a failing rank."""
 
-import signal
 import socket
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, _env, losses, read_metrics, read_summary, start_train, train
+from conftest import ROOT, TINY, _env, kill_after_first_checkpoint, losses, read_metrics, read_summary, train
 
 pytestmark = pytest.mark.slow
 
@@ -88,18 +87,12 @@ def test_deepspeed_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
     steps = ["trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.validate_every=0", "backend=deepspeed",
              "backend.zero_stage=1"]
     train(tmp_path / "whole", *steps)
-    proc = start_train(tmp_path / "killed", *steps)
-    ckpts = tmp_path / "killed" / "checkpoints"
-    deadline = time.time() + 180
-    while time.time() < deadline and not (ckpts.is_dir() and any(ckpts.glob("step_*.pt"))):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_after_first_checkpoint(tmp_path / "killed", *steps)
     train(tmp_path / "killed", *steps)
     whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "killed")
     assert resumed.keys() == whole.keys()
     assert resumed == pytest.approx(whole, rel=1e-6)
-    assert not list(ckpts.glob("*.partial"))
+    assert not list((tmp_path / "killed" / "checkpoints").glob("*.partial"))
 
 
 needs_cuda = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")

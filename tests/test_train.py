@@ -1,6 +1,5 @@
 """train.py end to end, as a user runs it: the run directory, resume, signals, sweeps, bad input."""
 
-import json
 import signal
 import subprocess
 import sys
@@ -9,7 +8,8 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, TINY_NSA, _env, losses, read_metrics, read_summary, start_train, train
+from conftest import (ROOT, TINY, TINY_NSA, _env, kill_after_first_checkpoint, losses, read_metrics, read_summary,
+                      start_train, train)
 
 
 def test_a_few_steps_write_every_file_of_the_run_directory(tmp_path):
@@ -38,13 +38,7 @@ def test_a_few_steps_write_every_file_of_the_run_directory(tmp_path):
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
     steps = ["trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.validate_every=0"]
     train(tmp_path / "whole", *steps)
-    proc = start_train(tmp_path / "killed", *steps)
-    ckpts = tmp_path / "killed" / "checkpoints"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (ckpts.is_dir() and any(ckpts.glob("step_*.pt"))):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_after_first_checkpoint(tmp_path / "killed", *steps)
     killed_at = len(losses(tmp_path / "killed"))
     train(tmp_path / "killed", *steps)  # same command, same directory: resumes
     whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "killed")
