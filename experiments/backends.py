@@ -14,14 +14,17 @@ every rank: DeepSpeed writes its engine state collectively), `load_checkpoint_st
 """
 
 import contextlib
+import json
 import logging
 import os
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from experiments import launch
@@ -157,8 +160,6 @@ class DDPBackend(LocalBackend):
         return contextlib.nullcontext() if last else trainee.forward.no_sync()
 
     def all_reduce_mean(self, value: float) -> float:
-        import torch.distributed as dist
-
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.item() / self.world_size
@@ -190,8 +191,6 @@ class DeepSpeedBackend(DDPBackend):
         self.config = self.deepspeed_config(trainer)
 
     def deepspeed_config(self, trainer) -> dict:
-        import json
-
         config = json.loads(Path(self.config_file).read_text()) if self.config_file else {}
         zero = {"stage": self.zero_stage}
         if self.offload_optimizer != "none":
@@ -240,8 +239,6 @@ class DeepSpeedBackend(DDPBackend):
         """Every rank writes its engine state to <name>.partial/, which rank 0 renames to <name>/
         once all have finished (a rename is atomic: a crash leaves the previous checkpoint whole).
         Returns consolidated fp32 weights, which backend=local and generation load."""
-        import torch.distributed as dist
-
         partial = directory / f"{name}.partial"
         state = {}
         for t in trainees:
@@ -252,8 +249,6 @@ class DeepSpeedBackend(DDPBackend):
         if self.is_main:
             final = directory / name
             if final.exists():
-                import shutil
-
                 shutil.rmtree(final)
             os.replace(partial, final)
         return state
@@ -262,7 +257,6 @@ class DeepSpeedBackend(DDPBackend):
         if self.zero_stage < 3:  # every rank holds whole parameters
             return {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
                     for k, v in trainee.module.state_dict().items()}
-        import torch.distributed as dist
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         dist.barrier()  # every partition on disk
