@@ -16,13 +16,14 @@ import experiments.schema  # noqa: F401  (registers the config schemas before co
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    from experiments import launch
     from experiments.build import build
     from experiments.checks import check_trainer
     from experiments.run import Run
 
-    backend = build(cfg.backend, "backend")
-    with Run.from_hydra(is_main=backend.is_main) as run:
+    with Run.from_hydra(is_main=launch.rank() == 0) as run:
         check_trainer(cfg.trainer)
+        backend = build(cfg.backend, "backend")
         backend.setup(cfg.trainer)  # device, seeds, threads: before anything is built
         task = build(cfg.task, "task")
         data = build(cfg.data, "data")

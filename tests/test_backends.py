@@ -1,4 +1,4 @@
-"""The local backend: device and precision checks, seeding, peak memory per run."""
+"""Backends: device and precision checks, seeding, peak memory per run, the DeepSpeed config and its checks."""
 
 import pytest
 import torch
@@ -43,3 +43,40 @@ def test_peak_memory_is_reset_per_run():
 
 def test_no_parallel_slot_outside_a_parallel_launcher():
     assert parallel_job_slot() is None
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(zero_stage=5), "zero_stage must be 0, 1, 2 or 3"),
+    (dict(offload_param="cpu"), "offload_param=cpu needs zero_stage=3"),
+    (dict(offload_optimizer="cpu"), "offload_optimizer needs zero_stage >= 1"),
+    (dict(config_file="missing.json"), "config_file=missing.json: no such file"),
+])
+def test_bad_deepspeed_knobs_are_refused_before_any_work(knobs, message):
+    from experiments.backends import DeepSpeedBackend
+
+    with pytest.raises(ValueError, match=message):
+        DeepSpeedBackend(**knobs)
+
+
+def test_deepspeed_config_comes_from_the_trainer_section(tmp_path):
+    from experiments.backends import DeepSpeedBackend
+
+    user = tmp_path / "ds.json"
+    user.write_text('{"train_micro_batch_size_per_gpu": 99, "zero_optimization": {"reduce_bucket_size": 1000}}')
+    backend = DeepSpeedBackend(zero_stage=2, offload_optimizer="cpu", config_file=str(user))
+    backend.precision = "bf16"
+    config = backend.deepspeed_config(trainer(batch_size=3, grad_accum=4, clip_grad_norm=0.5))
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["gradient_accumulation_steps"] == 4
+    assert config["train_batch_size"] == 12 and config["gradient_clipping"] == 0.5
+    assert config["bf16"] == {"enabled": True} and config["fp16"]["enabled"] is False
+    assert config["zero_optimization"] == {"reduce_bucket_size": 1000, "stage": 2, "offload_optimizer": {"device": "cpu"}}
+
+
+def test_a_bad_backend_key_ends_the_run_with_one_message(tmp_path):
+    from conftest import read_summary, train
+
+    result = train(tmp_path / "run", "backend=deepspeed", "backend.zero_stage=5", check=False)
+    assert result.returncode != 0
+    assert "error: backend: zero_stage must be 0, 1, 2 or 3, got 5" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert read_summary(tmp_path / "run")["status"] == "failed"
