@@ -114,8 +114,8 @@ class LanguageModelTask:
         bar = tqdm(total=tr.max_steps, initial=start, desc="train", disable=not (tr.progress and run.is_main),
                    dynamic_ncols=True, mininterval=1.0)
         window_t, window_steps = time.perf_counter(), 0
-        step = start
-        while step < tr.max_steps and not run.stop_requested:
+        step, stopping = start, False
+        while step < tr.max_steps and not stopping:
             losses = self._train_step(step)
             step += 1
             window_steps += 1
@@ -132,11 +132,14 @@ class LanguageModelTask:
                 self._throughput.append((tok_s, window_steps))
                 window_t, window_steps = time.perf_counter(), 0
             last = step == tr.max_steps
+            # a signal may reach the ranks at different steps: they stop together, or collectives hang
+            stopping = self.backend.all_reduce_mean(float(run.stop_requested)) > 0
+            run.stop_requested |= stopping  # the summary says "interrupted" on every rank
             if (tr.validate_every and step % tr.validate_every == 0) or last:
                 self._validate(step)
             if (tr.generate_every and step % tr.generate_every == 0) or last:
                 self._sample(step)
-            if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or last or run.stop_requested:
+            if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or last or stopping:
                 self._checkpoint(step)
             if window_steps == 0:  # evaluation time is not training time
                 window_t = time.perf_counter()

@@ -21,10 +21,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(cwd, *args, nproc=2, script="train.py", timeout=240) -> subprocess.CompletedProcess:
+def torchrun(cwd, *args, nproc=2, script="train.py", timeout=240, env=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(ROOT / script), *TINY, "model=transformer", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env())
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})})
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -75,12 +75,24 @@ def test_the_deepspeed_launchers_local_rank_argument_is_accepted(tmp_path):
 def test_a_failing_rank_fails_the_job_with_its_error(tmp_path):
     t0 = time.time()
     result = torchrun(tmp_path, *STEPS, "backend=ddp", "backend.timeout_s=10", "hydra.run.dir=run",
-                      script="tests/helpers/failing_rank.py", timeout=180)
+                      script="tests/helpers/rank_one.py", timeout=180, env={"RANK_ONE": "fail"})
     assert result.returncode != 0
     assert time.time() - t0 < 120
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "failed"
     assert "rank 1" in summary["error"] and "injected failure on rank 1" in summary["error"]
+
+
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
+def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, backend):
+    """SIGTERM may reach the ranks at different steps: they agree, checkpoint together, and
+    the run is recorded as interrupted, not hung."""
+    result = torchrun(tmp_path, *STEPS, f"backend={backend}", "backend.timeout_s=20", "trainer.checkpoint_every=0",
+                      "hydra.run.dir=run", script="tests/helpers/rank_one.py", timeout=180, env={"RANK_ONE": "stop"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "interrupted" and summary["step"] == 2
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt")] == ["step_0000002.pt"]
 
 
 def test_deepspeed_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):

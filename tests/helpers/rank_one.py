@@ -1,6 +1,7 @@
-"""train.py with a fault injected: rank 1 raises at its second training step (for the test that
-a failing rank fails the whole job, with its own error in summary.json)."""
+"""train.py with something happening to rank 1 alone at its second training step, as
+RANK_ONE says: `fail` (it raises) or `stop` (as if only it had received SIGTERM)."""
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -14,11 +15,13 @@ from experiments.language_model import LanguageModelTask  # noqa: E402
 _train_step = LanguageModelTask._train_step
 
 
-def _failing_train_step(self, step):
+def _train_step_with_event(self, step):
     if step == 1 and launch.rank() == 1:
-        raise RuntimeError("injected failure on rank 1")
+        if os.environ["RANK_ONE"] == "fail":
+            raise RuntimeError("injected failure on rank 1")
+        self.run.stop_requested = True
     return _train_step(self, step)
 
 
-LanguageModelTask._train_step = _failing_train_step
+LanguageModelTask._train_step = _train_step_with_event
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
