@@ -154,3 +154,14 @@ def test_centroids_move_in_training_and_a_resumed_run_continues_with_them(tmp_pa
     saved = [torch.load(p, weights_only=True)["model"]["blocks.0.attn.centroids"]
              for p in sorted((tmp_path / "whole" / "checkpoints").glob("step_*.pt"))]
     assert len(saved) == 3 and not torch.allclose(saved[0], saved[-1])
+
+
+def test_statistics_stay_fp32_when_an_engine_casts_the_model_to_half_precision():
+    model = tiny_routing(local_heads=0).float().train().to(torch.bfloat16)
+    for _ in range(2):
+        model(torch.randint(0, 32, (2, 300)))
+    layer = model.blocks[0].attn
+    assert layer._counts.dtype == torch.float32 and layer._counts.sum() == 2 * 2 * 300 * 2  # exact past 256
+    before = layer.centroids.clone()
+    model.after_optimizer_step()
+    assert layer.centroids.dtype == torch.bfloat16 and not torch.equal(layer.centroids, before)

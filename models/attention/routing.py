@@ -109,11 +109,13 @@ class RoutingAttention(nn.Module):
 
     @torch.no_grad()
     def _gather(self, unit: Tensor, nearest: Tensor) -> None:
+        if self._counts.dtype != torch.float32:  # a half-precision engine cast the buffers: counts need fp32
+            self._sums, self._counts = self._sums.float(), self._counts.float()
         flat = nearest + torch.arange(self.route_heads, device=unit.device)[:, None] * self.centroids.shape[1]
         flat = flat.flatten()  # [b * h * n] indices into [heads * clusters]
         members = rearrange(unit, "b h n d -> (b h n) d")
-        self._sums.view(-1, unit.shape[-1]).index_add_(0, flat, members.to(self._sums.dtype))
-        self._counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self._counts.dtype))
+        self._sums.view(-1, unit.shape[-1]).index_add_(0, flat, members)
+        self._counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
@@ -122,8 +124,9 @@ class RoutingAttention(nn.Module):
             return
         had = self._counts > 0
         means = F.normalize(self._sums / self._counts.clamp(min=1)[..., None], dim=-1)
-        moved = F.normalize(self.ema_decay * self.centroids + (1 - self.ema_decay) * means, dim=-1)
-        self.centroids.copy_(torch.where(had[..., None], moved, self.centroids))
+        centroids = self.centroids.float()
+        moved = F.normalize(self.ema_decay * centroids + (1 - self.ema_decay) * means, dim=-1)
+        self.centroids.copy_(torch.where(had[..., None], moved, centroids))
         self._sums.zero_()
         self._counts.zero_()
 
