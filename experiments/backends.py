@@ -251,6 +251,8 @@ class DeepSpeedBackend(DDPBackend):
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)
+            for stale in directory.glob("*.partial"):  # left by a run killed while writing
+                shutil.rmtree(stale, ignore_errors=True)
         return state
 
     def _fp32_weights(self, trainee: Trainee, directory: Path, tag: str) -> dict:

@@ -182,10 +182,12 @@ class LanguageModelTask:
         """The seed's randomly_truncate_sequence: each row keeps a random length in [1, seq] and
         its later targets are ignored. For a causal model that is training on the truncated row
         (no position sees the ones after it), without reshaping the batch."""
-        tr = self.trainer
-        gen = torch.Generator().manual_seed(hash((tr.seed, step, micro, self.backend.rank, 1)) & (2**62 - 1))
+        tr, rank = self.trainer, self.backend.rank
+        gen = torch.Generator().manual_seed(hash((tr.seed, step, micro, 1)) & (2**62 - 1))
         b, n = targets.shape
-        lengths = torch.randint(1, n + 1, (b, 1), generator=gen).to(targets.device)
+        # drawn for the global batch, each rank taking its rows, as the crops are
+        lengths = torch.randint(1, n + 1, (b * self.backend.world_size, 1), generator=gen)[rank * b : (rank + 1) * b]
+        lengths = lengths.to(targets.device)
         beyond = torch.arange(n, device=targets.device)[None, :] >= lengths
         return targets.masked_fill(beyond, IGNORE)
 
