@@ -27,17 +27,17 @@ def main(cfg: DictConfig) -> float | None:
         backend.setup(cfg.trainer)  # device, seeds, threads: before anything is built
         task = build(cfg.task, "task")
         data = build(cfg.data, "data")
-        model = build(cfg.model, "model")
+        # the model, and a draft (speculative decoding) or a VAE (DALL-E) where the config has one
+        models = {slot: build(cfg[slot], slot) for slot in ("model", "draft", "vae") if cfg[slot] is not None}
         run.result = task(
             run=run,
             cfg=cfg,
             backend=backend,
             data=data,
-            model=model,
             optimizer=build(cfg.optimizer, "optimizer"),
             schedule=build(cfg.schedule, "schedule"),
             tracker=build(cfg.tracker, "tracker"),
-            **({"draft": build(cfg.draft, "draft")} if cfg.draft is not None else {}),
+            **models,
         )
     return run.result
 

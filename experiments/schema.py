@@ -76,6 +76,7 @@ class Config:
     tracker: Any = MISSING
     task: Any = MISSING
     draft: Any = None  # a second model (speculative decoding's draft): `- /model@draft: <option>`
+    vae: Any = None  # DALL-E's discrete VAE: `- /model@vae: dvae`
 
 
 # ---- model ---------------------------------------------------------------------------------

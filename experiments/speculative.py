@@ -64,7 +64,7 @@ class SpeculativeTask(LanguageModelTask):
         return super().__call__(draft=draft, **parts)
 
     @torch.no_grad()
-    def _sample(self, step: int) -> None:
+    def sample(self, step: int) -> None:
         target, draft = (m.model.eval() for m in self.members)
         prime = self.data.prime(self.prime_length).to(self.backend.device)[None]
         with self.backend.autocast():
