@@ -36,8 +36,7 @@ class LanguageModelTask(TrainingTask):
             raise UserError(f"task.prime_length={self.prime_length} must be shorter than data.seq_len={self.data.seq_len}")
         return nets
 
-    @property
-    def tokens_per_sample(self) -> int:
+    def tokens_per_sample(self, prefix: str) -> int:
         return self.data.seq_len
 
     def flops_per_token(self, prefix, net) -> float:

@@ -132,7 +132,74 @@ class RoutingConfig(TransformerConfig):
     commitment_weight: float = 1e-4
 
 
+@dataclass
+class DiscreteVAEConfig:
+    _target_: str = "models.dvae.DiscreteVAE"
+    image_size: int = 32
+    num_tokens: int = 512  # codebook size: DALL-E's image vocabulary
+    codebook_dim: int = 256
+    num_layers: int = 2  # each halves the resolution: codes on a (image_size / 2**num_layers)^2 grid
+    num_resnet_blocks: int = 0
+    hidden_dim: int = 64
+    channels: int = 3
+    temperature: float = 0.9  # Gumbel-softmax temperature at step 0 ...
+    temperature_min: float = 0.0625  # ... annealed to this: max(min, t0 * exp(-anneal_rate * step))
+    anneal_rate: float = 0.0
+    kl_weight: float = 0.0
+    straight_through: bool = False
+
+
+@dataclass
+class DalleConfig:
+    """The text-to-image transformer. Its vocabularies and lengths come from the data (tokenizer,
+    text_seq_len) and the VAE (num_tokens, grid), so it is built by the task (`_partial_`)."""
+
+    _target_: str = "models.dalle.DALLE"
+    _partial_: bool = True
+    vae_path: Optional[str] = None  # a dvae or dalle run (or checkpoint); null: train the `vae` first
+    dim: int = 256
+    depth: int = 4
+    heads: int = 4
+    dim_head: int = 64
+    ff_mult: float = 4.0
+    attn_dropout: float = 0.0
+    ff_dropout: float = 0.0
+    attn_types: list = field(default_factory=lambda: ["full"])  # cycled over the layers
+    kernel_size: int = 5  # of conv_like attention
+    sparse_options: dict = field(default_factory=dict)  # {nsa|sinkhorn|routing: {knob: value}}
+    shared_attn_ids: Optional[list] = None  # layers with equal ids share their attention
+    shared_ff_ids: Optional[list] = None
+    share_input_output_emb: bool = False
+    rotary_emb: bool = True
+    loss_img_weight: float = 7.0
+    cond_drop_prob: float = 0.0  # > 0 trains for classifier-free guidance (task.cond_scale)
+    reversible: bool = False
+
+
 # ---- data ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ShapesDataConfig:
+    """Generated captioned images: one coloured shape each (nothing downloaded)."""
+
+    _target_: str = "experiments.shapes.Shapes"
+    image_size: int = 32
+    text_seq_len: int = 16
+
+
+@dataclass
+class ImageFolderDataConfig:
+    """Images with same-stem .txt captions, or WebDataset-style .tar shards (experiments/image_text.py)."""
+
+    _target_: str = "experiments.image_text.ImageTextFolder"
+    path: str = MISSING
+    image_size: int = 64
+    text_seq_len: int = 64
+    resize_ratio: float = 0.75  # random resized crops keep this much of the area, or more
+    truncate_captions: bool = False  # false: a caption longer than text_seq_len is an error
+    val_fraction: float = 0.05
+    channels: int = 3
 
 
 @dataclass
@@ -181,6 +248,19 @@ class CosineScheduleConfig:
     warmup_steps: int = 50
     total_steps: int = "${trainer.max_steps}"  # type: ignore[assignment]
     min_lr_ratio: float = 0.1
+
+
+@dataclass
+class PlateauScheduleConfig:
+    """The DALL-E seed's lr_decay: halve the lr when the training loss stops falling."""
+
+    _target_: str = "experiments.schedule.plateau"
+    _partial_: bool = True
+    window: int = 100  # steps per judged "epoch" (the mean loss of the window)
+    factor: float = 0.5
+    patience: int = 10
+    cooldown: int = 10
+    min_lr: float = 1e-6
 
 
 @dataclass
@@ -252,6 +332,23 @@ class SpeculativeTaskConfig(LanguageModelTaskConfig):
     temperature: float = 0.0  # 0: greedy, which speculative decoding reproduces token for token
 
 
+@dataclass
+class DiscreteVAETaskConfig:
+    _target_: str = "experiments.text_to_image.DiscreteVAETask"
+    num_samples: int = 8  # validation images shown over their reconstructions
+
+
+@dataclass
+class DalleTaskConfig:
+    _target_: str = "experiments.text_to_image.TextToImageTask"
+    vae_steps: int = 1000  # the VAE stage before DALL-E's trainer.max_steps (0 with model.vae_path)
+    vae_lr: float = 3e-3
+    num_samples: int = 16  # validation captions drawn at each generation
+    temperature: float = 1.0
+    filter_thres: float = 0.9  # sample from the top (1 - filter_thres) of the image logits
+    cond_scale: float = 1.0  # classifier-free guidance (needs model.cond_drop_prob > 0)
+
+
 def job_subdir(task_overrides: Any, seed: Any, sweeper_params: Any = None, job_num: Any = None) -> str:
     """A sweep job's directory: the values of the swept keys (not every override on the command
     line), then the seed as its own last level, e.g. `model.num_fine_selected=4/seed=1`. A sweeper
@@ -286,13 +383,16 @@ def register() -> None:
     cs.store(group="schema", name="config", node=Config)
     schemas = {
         "model": {"transformer": TransformerConfig, "nsa": NSAConfig, "sinkhorn": SinkhornConfig,
-                  "routing": RoutingConfig},
-        "data": {"text": TextDataConfig, "enwik8": Enwik8DataConfig},
+                  "routing": RoutingConfig, "dvae": DiscreteVAEConfig, "dalle": DalleConfig},
+        "data": {"text": TextDataConfig, "enwik8": Enwik8DataConfig, "shapes": ShapesDataConfig,
+                 "image_folder": ImageFolderDataConfig},
         "optimizer": {"adam": AdamConfig, "adamw": AdamWConfig},
-        "schedule": {"cosine": CosineScheduleConfig, "constant": ConstantScheduleConfig},
+        "schedule": {"cosine": CosineScheduleConfig, "constant": ConstantScheduleConfig,
+                     "plateau": PlateauScheduleConfig},
         "backend": {"local": LocalBackendConfig, "ddp": DDPBackendConfig, "deepspeed": DeepSpeedBackendConfig},
         "tracker": {"wandb": WandbConfig, "none": NoTrackerConfig},
-        "task": {"lm": LanguageModelTaskConfig, "speculative": SpeculativeTaskConfig},
+        "task": {"lm": LanguageModelTaskConfig, "speculative": SpeculativeTaskConfig,
+                 "dvae": DiscreteVAETaskConfig, "dalle": DalleTaskConfig},
     }
     for group, options in schemas.items():
         for name, node in options.items():

@@ -29,20 +29,28 @@ def training_flops_per_token(model: nn.Module, seq_len: int, device: torch.devic
     sparse attention's savings included)."""
     # its own generator and eval mode (no dropout): counting leaves the run's random state alone
     tokens = torch.randint(0, model.num_tokens, (1, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
-    was_training, was_reversible = model.training, getattr(model, "reversible", False)
-    model.eval()
+    was_reversible = getattr(model, "reversible", False)
     # a reversible model's recomputation is not useful work (as with activation checkpointing),
     # and the counter's module hooks cannot follow a backward that calls autograd itself
     model.reversible = False
+    try:
+        return counted_flops(model, lambda: model(tokens).float().logsumexp(-1).mean()) / seq_len
+    finally:
+        model.reversible = was_reversible
+
+
+def counted_flops(model: nn.Module, loss_fn) -> float:
+    """FLOPs of loss_fn() and its backward, in eval mode (no dropout); gradients are dropped after."""
+    was_training = model.training
+    model.eval()
     counter = FlopCounterMode(display=False)
     try:
         with counter:
-            model(tokens).float().logsumexp(-1).mean().backward()
+            loss_fn().backward()
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-        model.reversible = was_reversible
-    return counter.get_total_flops() / seq_len
+    return counter.get_total_flops()
 
 
 def _sync(device: torch.device) -> None:

@@ -21,6 +21,9 @@ class NoTracker:
     def log_text(self, key: str, text: str, step: int) -> None:
         pass
 
+    def log_images(self, key: str, images, captions: list[str], step: int) -> None:
+        """images [batch, channels, h, w] in [0, 1], one caption each."""
+
     def finish(self, status: str) -> None:
         pass
 
@@ -64,6 +67,13 @@ class WandbTracker(NoTracker):
             import wandb
 
             self.wandb_run.log({key: wandb.Html(f"<pre>{_escape(text)}</pre>")}, step=step)
+
+    def log_images(self, key: str, images, captions: list[str], step: int) -> None:
+        if self.wandb_run is not None:
+            import wandb
+
+            arrays = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).astype("uint8")
+            self.wandb_run.log({key: [wandb.Image(a, caption=c) for a, c in zip(arrays, captions)]}, step=step)
 
     def finish(self, status: str) -> None:
         if self.wandb_run is not None:

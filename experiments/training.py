@@ -11,7 +11,7 @@ A subclass says what a batch is and what is learned from it:
     loss(member, batch)           -> (loss, {extra figures}) of one member on it
     validation_metrics(member)    -> {"val_loss": ..., ...} (unprefixed)
     sample(step)                  -> write samples/ and log them
-    tokens_per_sample             -> what tokens/s counts
+    tokens_per_sample(prefix)     -> what tokens/s counts while that member trains
     active(step)                  -> the members that train at this step (a staged task)
 """
 
@@ -82,9 +82,15 @@ class TrainingTask:
     def flops_per_token(self, prefix: str, net: nn.Module) -> float:
         return 0.0
 
-    @property
-    def tokens_per_sample(self) -> int:
+    def tokens_per_sample(self, prefix: str) -> int:
         raise NotImplementedError
+
+    def optimizer_for(self, prefix: str, optimizer):
+        """The optimizer partial of a member (a staged task may give a stage its own)."""
+        return optimizer
+
+    def schedule_for(self, prefix: str, schedule):
+        return schedule
 
     def active(self, step: int) -> list[Member]:
         return self.members
@@ -115,8 +121,8 @@ class TrainingTask:
         self.flops = {prefix: self.flops_per_token(prefix, net.to(device)) for prefix, net in nets.items()}
         self.members = []
         for prefix, net in nets.items():
-            trainee = backend.prepare(prefix, net, optimizer)
-            self.members.append(Member(trainee, schedule(trainee.optimizer)))
+            trainee = backend.prepare(prefix, net, self.optimizer_for(prefix, optimizer))
+            self.members.append(Member(trainee, self.schedule_for(prefix, schedule)(trainee.optimizer)))
         self.model = self.members[0].model
         peak_dtype = torch.bfloat16 if backend.precision == "bf16" else torch.float32
         self.peak_flops = matmul_peak_flops(device, peak_dtype)
@@ -165,7 +171,7 @@ class TrainingTask:
             stage_ends = not last and self.active(step) != active
             if step % tr.log_every == 0 or last or stage_ends:
                 elapsed = time.perf_counter() - window_t
-                tok_s = samples_per_step * self.tokens_per_sample * window_steps / elapsed
+                tok_s = samples_per_step * self.tokens_per_sample(active[0].prefix) * window_steps / elapsed
                 flops = sum(self.flops[m.prefix] for m in active)
                 row = {"step": step, **figures, "lr": active[0].schedule.get_last_lr()[0],
                        "tokens_per_s": round(tok_s, 1), "mfu": round(tok_s * flops / self.peak_flops, 4),

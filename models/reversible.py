@@ -112,8 +112,10 @@ class _ReversibleStack(torch.autograd.Function):
                 y1, y2 = x1.detach(), x2.detach()
                 param_grads.append(dict(zip(f_params + g_params, df + dg)))
         grads = {}
-        for block_grads in param_grads:
-            grads.update(block_grads)
+        for block_grads in param_grads:  # a layer shared by several blocks sums their gradients
+            for p, g in block_grads.items():
+                if g is not None:
+                    grads[p] = g if grads.get(p) is None else grads[p] + g
         return (dy1, dy2, None, *(grads.get(p) for p in ctx.params))
 
 
@@ -122,5 +124,7 @@ def reversible_stack(x1: Tensor, x2: Tensor, blocks: Sequence[nn.Module]) -> tup
 
     Each block provides `attend(x)` and `feed(x)` (its two residual branches) and
     `attn_params()` / `ff_params()` (the parameters of each)."""
-    params = [p for block in blocks for p in (*block.attn_params(), *block.ff_params()) if p.requires_grad]
+    # each parameter once, though a shared layer lists it in several blocks
+    params = list(dict.fromkeys(p for block in blocks for p in (*block.attn_params(), *block.ff_params())
+                                if p.requires_grad))
     return _ReversibleStack.apply(x1, x2, tuple(blocks), *params)

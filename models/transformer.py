@@ -97,6 +97,7 @@ class TransformerLM(nn.Module):
         dim: int,
         depth: int,
         attention: AttentionFactory,
+        feed_forward: Optional[Callable[[], nn.Module]] = None,
         ff_mult: float = 4.0,
         ff_dropout: float = 0.0,
         ff_chunks: int = 1,
@@ -113,9 +114,8 @@ class TransformerLM(nn.Module):
         emb_dim = emb_dim or dim
         self.token_emb = nn.Embedding(num_tokens, emb_dim)
         self.project_in = nn.Linear(emb_dim, dim, bias=False) if emb_dim != dim else nn.Identity()
-        self.blocks = nn.ModuleList(
-            Block(dim, attention(), FeedForward(dim, ff_mult, ff_dropout, ff_chunks)) for _ in range(depth)
-        )
+        feed_forward = feed_forward or (lambda: FeedForward(dim, ff_mult, ff_dropout, ff_chunks))
+        self.blocks = nn.ModuleList(Block(dim, attention(), feed_forward()) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
         self.project_out = nn.Linear(dim, emb_dim, bias=False) if emb_dim != dim else nn.Identity()
         self.to_logits = nn.Linear(emb_dim, num_tokens, bias=False)
@@ -123,7 +123,15 @@ class TransformerLM(nn.Module):
         self.apply(_init_weights)
 
     def forward(self, tokens: Tensor, cache: Optional[list] = None) -> Tensor:
-        x = self.project_in(self.token_emb(tokens))
+        return self.to_logits(self.hidden(tokens, cache))
+
+    def embed(self, tokens: Tensor, start: int) -> Tensor:
+        """tokens [batch, seq] at positions start.. -> [batch, seq, dim] (positions: the attention's)."""
+        return self.project_in(self.token_emb(tokens))
+
+    def hidden(self, tokens: Tensor, cache: Optional[list] = None) -> Tensor:
+        """tokens [batch, seq] -> the final features [batch, seq, emb_dim] that the logits read."""
+        x = self.embed(tokens, cache[0].get("pos", 0) if cache else 0)
         caches = cache or [None] * len(self.blocks)
         self._stack_aux = None
         if not self.reversible:
@@ -137,7 +145,7 @@ class TransformerLM(nn.Module):
             for block, layer_cache in zip(self.blocks, caches):
                 x1, x2 = block.forward_reversible(x1, x2, cache=layer_cache)
             x = (x1 + x2) / 2
-        return self.to_logits(self.project_out(self.norm(x)))
+        return self.project_out(self.norm(x))
 
     def new_cache(self) -> list:
         """One empty dict per layer, filled by the attentions as decoding proceeds."""

@@ -1,4 +1,5 @@
-"""Dense causal multi-head attention through scaled_dot_product_attention: the baseline."""
+"""Dense causal multi-head attention through scaled_dot_product_attention: the baseline, and,
+with a fixed `mask`, every static sparsity pattern (DALL-E's axial and conv-like layers)."""
 
 from typing import Optional
 
@@ -12,29 +13,39 @@ from models.rotary import Rotary
 
 
 class DenseAttention(nn.Module):
-    def __init__(self, *, dim: int, heads: int, dim_head: int, dropout: float = 0.0):
+    """mask: [max_seq, max_seq] bool, True where query i may attend to key j (it must be causal:
+    the model is checked for that by the tests); None: plain causal attention.
+    rotary: rotary position embeddings on queries and keys (off: the model adds its own)."""
+
+    def __init__(self, *, dim: int, heads: int, dim_head: int, dropout: float = 0.0,
+                 mask: Optional[Tensor] = None, rotary: bool = True):
         super().__init__()
         self.heads = heads
         self.dropout = dropout
         self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
-        self.rotary = Rotary(dim_head)
+        self.rotary = Rotary(dim_head) if rotary else None
+        self.register_buffer("mask", mask, persistent=False)  # derived from the config, not learned
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds the past keys and values."""
         q, k, v = rearrange(self.to_qkv(x), "b n (s h d) -> s b h n d", s=3, h=self.heads)
         start = 0 if cache is None else cache.get("pos", 0)
-        q, k = self.rotary(q, start), self.rotary(k, start)
+        if self.rotary is not None:
+            q, k = self.rotary(q, start), self.rotary(k, start)
         if cache is not None:
             k, v = kv_cache.append(cache, start, k=k, v=v)
         dropout = self.dropout if self.training else 0.0
-        if start == 0:
+        n, total = q.shape[2], k.shape[2]
+        if self.mask is not None:
+            if total > self.mask.shape[0]:
+                raise ValueError(f"sequence of {total} is longer than this attention's mask ({self.mask.shape[0]})")
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[start:total, :total], dropout_p=dropout)
+        elif start == 0:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         else:  # new queries sit at the end: query i sees every key up to start + i
-            n, total = q.shape[2], k.shape[2]
             mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril(total - n)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
     truncate_cache = staticmethod(kv_cache.truncate)
-
