@@ -30,7 +30,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
 from experiments.errors import UserError
-from experiments.tokenizer import ByteTokenizer, tokenize
+from experiments.tokenizer import BPETokenizer, ByteTokenizer, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ class _Item:
 
 class ImageTextFolder:
     def __init__(self, path: str, image_size: int = 64, text_seq_len: int = 64, resize_ratio: float = 0.75,
-                 truncate_captions: bool = False, val_fraction: float = 0.05, channels: int = 3):
+                 truncate_captions: bool = False, val_fraction: float = 0.05, channels: int = 3,
+                 tokenizer: str = "bytes"):
         if not 0 < resize_ratio <= 1:
             raise UserError(f"data.resize_ratio={resize_ratio} must lie in (0, 1]")
         if not 0 < val_fraction < 1:
@@ -60,7 +61,7 @@ class ImageTextFolder:
         self.image_size, self.text_seq_len, self.channels = image_size, text_seq_len, channels
         self.resize_ratio, self.truncate = resize_ratio, truncate_captions
         self.mode = {1: "L", 3: "RGB", 4: "RGBA"}[channels]
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else BPETokenizer(tokenizer)
         shards = [root] if root.is_file() else sorted(root.rglob("*.tar"))
         items = self._from_tars(shards) if shards else self._from_folder(root)
         if len(items) < 2:

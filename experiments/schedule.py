@@ -35,13 +35,15 @@ class LossPlateau(ReduceLROnPlateau):
         if window < 1:
             raise ValueError(f"window={window} must be at least 1 step")
         super().__init__(optimizer, mode="min", factor=factor, patience=patience, cooldown=cooldown, min_lr=min_lr)
-        self.window, self._losses = window, []
+        # plain numbers, not a list: the state dict is a shallow copy of __dict__
+        self.window, self._window_sum, self._window_count = window, 0.0, 0
 
     def step(self, loss: float) -> None:  # type: ignore[override]
-        self._losses.append(float(loss))
-        if len(self._losses) == self.window:
-            super().step(sum(self._losses) / self.window)
-            self._losses = []
+        self._window_sum += float(loss)
+        self._window_count += 1
+        if self._window_count == self.window:
+            super().step(self._window_sum / self.window)
+            self._window_sum, self._window_count = 0.0, 0
 
 
 def plateau(optimizer: Optimizer, **kwargs) -> LossPlateau:

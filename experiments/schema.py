@@ -200,6 +200,7 @@ class ImageFolderDataConfig:
     truncate_captions: bool = False  # false: a caption longer than text_seq_len is an error
     val_fraction: float = 0.05
     channels: int = 3
+    tokenizer: str = "bytes"  # bytes, or a trained BPE: the path of a `tokenizers` JSON file
 
 
 @dataclass
@@ -343,7 +344,7 @@ class DalleTaskConfig:
     _target_: str = "experiments.text_to_image.TextToImageTask"
     vae_steps: int = 1000  # the VAE stage before DALL-E's trainer.max_steps (0 with model.vae_path)
     vae_lr: float = 3e-3
-    num_samples: int = 16  # validation captions drawn at each generation
+    num_samples: int = 32  # validation captions drawn at each generation
     temperature: float = 1.0
     filter_thres: float = 0.9  # sample from the top (1 - filter_thres) of the image logits
     cond_scale: float = 1.0  # classifier-free guidance (needs model.cond_drop_prob > 0)

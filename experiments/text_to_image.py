@@ -27,7 +27,7 @@ from experiments.errors import UserError
 from experiments.image_grid import save_grid
 from experiments.schedule import warmup_cosine
 from experiments.throughput import counted_flops, training_flops_per_token
-from experiments.tokenizer import ByteTokenizer, WordTokenizer, tokenize
+from experiments.tokenizer import from_spec, tokenize
 from experiments.training import Member, TrainingTask
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class DiscreteVAETask(TrainingTask):
     def sample_reconstructions(self, step: int, vae) -> None:
         """The first validation images over their hard reconstructions, as one PNG."""
         vae.eval()
-        _, images = next(self.data.val_batches(1, self.num_samples))
+        _, images = next(self.data.val_batches(1, min(self.num_samples, 8)))
         images = images.to(self.backend.device)
         shown = torch.cat([images, vae.reconstruct(images)])
         captions = ["original"] * len(images) + ["reconstruction"] * len(images)
@@ -157,7 +157,7 @@ class TextToImageTask(DiscreteVAETask):
 
     task_name = "dalle"
 
-    def __init__(self, vae_steps: int = 300, vae_lr: float = 3e-3, num_samples: int = 16, temperature: float = 1.0,
+    def __init__(self, vae_steps: int = 1000, vae_lr: float = 3e-3, num_samples: int = 32, temperature: float = 1.0,
                  filter_thres: float = 0.9, cond_scale: float = 1.0):
         super().__init__(num_samples)
         if vae_steps < 0:
@@ -277,7 +277,7 @@ class TextToImageTask(DiscreteVAETask):
                                      self.data.text_seq_len, temperature=self.temperature,
                                      filter_thres=self.filter_thres, cond_scale=self.cond_scale, generator=gen)
         if self.run.is_main:
-            save_grid(self.run.samples_dir / f"step_{step:07d}.png", images, captions)
+            save_grid(self.run.samples_dir / f"step_{step:07d}.png", images, captions, columns=8)
         self.tracker.log_images("samples", images, captions, step)
         scores = self.data.score(images, captions) if hasattr(self.data, "score") else {}
         if scores:
@@ -287,11 +287,10 @@ class TextToImageTask(DiscreteVAETask):
             log.info("step %d | %s", step, " | ".join(f"{k} {v:.3f}" for k, v in scores.items()))
 
     def checkpoint_extras(self) -> dict:
-        tok = self.tokenizer
         return {
             "dalle_hparams": yaml.safe_dump(_plain(self.dalle_hparams)),
             "vae_config": self.vae_config,
-            "tokenizer": yaml.safe_dump({"words": tok.words[1:]} if isinstance(tok, WordTokenizer) else {"bytes": True}),
+            "tokenizer": yaml.safe_dump(self.tokenizer.spec()),
         }
 
 
@@ -333,8 +332,7 @@ def load_run(spec: str, device: str = "cpu"):
     dalle.load_state_dict(state["model"])
     vae = instantiate(OmegaConf.create(state["vae_config"]))
     vae.load_state_dict(state["vae_model"])
-    spec_tok = yaml.safe_load(state["tokenizer"])
-    tokenizer = WordTokenizer(spec_tok["words"]) if "words" in spec_tok else ByteTokenizer()
+    tokenizer = from_spec(yaml.safe_load(state["tokenizer"]))
     return dalle.to(device).eval(), vae.to(device).eval(), tokenizer
 
 

@@ -1,11 +1,15 @@
-"""Caption tokenizers for text-to-image data: id 0 pads, every other id is a word or a byte.
+"""Caption tokenizers for text-to-image data: id 0 pads, every other id is a word, a byte or a
+BPE piece.
 
     encode(text) -> list[int]      decode(ids) -> str      vocab_size (padding included)
+    spec() -> dict                 what `from_spec` rebuilds it from (kept in checkpoints)
 
 `tokenize(tokenizer, captions, length, truncate)` makes the [batch, length] tensor the model reads.
 """
 
 import re
+from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -25,6 +29,9 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) - 1 for i in ids if int(i) != PAD).decode("utf-8", errors="replace")
+
+    def spec(self) -> dict:
+        return {"bytes": True}
 
 
 class WordTokenizer:
@@ -46,6 +53,41 @@ class WordTokenizer:
 
     def decode(self, ids) -> str:
         return " ".join(self.words[int(i)] for i in ids if int(i) != PAD)
+
+    def spec(self) -> dict:
+        return {"words": self.words[1:]}
+
+
+class BPETokenizer:
+    """A trained BPE of the `tokenizers` library (its tokenizer.json), ids shifted by one so that
+    0 pads: `pip install tokenizers` (the `bpe` extra)."""
+
+    def __init__(self, path: Optional[str] = None, json: Optional[str] = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise UserError("data.tokenizer=<a BPE file> needs the tokenizers package: pip install -e '.[bpe]'") from None
+        if json is None and not Path(path).is_file():
+            raise UserError(f"data.tokenizer={path}: no such tokenizer file (a tokenizers JSON, or `bytes`)")
+        self.tokenizer = Tokenizer.from_str(json) if json is not None else Tokenizer.from_file(str(path))
+        self.vocab_size = self.tokenizer.get_vocab_size() + 1
+
+    def encode(self, text: str) -> list[int]:
+        return [i + 1 for i in self.tokenizer.encode(text).ids]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) - 1 for i in ids if int(i) != PAD])
+
+    def spec(self) -> dict:
+        return {"bpe": self.tokenizer.to_str()}
+
+
+def from_spec(spec: dict):
+    if "words" in spec:
+        return WordTokenizer(spec["words"])
+    if "bpe" in spec:
+        return BPETokenizer(json=spec["bpe"])
+    return ByteTokenizer()
 
 
 def tokenize(tokenizer, captions: list[str], length: int, truncate: bool) -> Tensor:

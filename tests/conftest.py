@@ -42,26 +42,53 @@ TINY_NSA = TINY + [
 ]
 
 
-def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python train.py` with the tiny dense model in `run_dir`."""
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *TINY, "model=transformer", *overrides]
+# the smallest text-to-image run: a VAE stage of 3 steps, then 3 DALL-E steps
+TINY_DALLE = [
+    "experiment=dalle",
+    "model.dim=32",
+    "model.depth=2",
+    "model.heads=2",
+    "model.dim_head=16",
+    "vae.num_tokens=16",
+    "vae.codebook_dim=16",
+    "vae.hidden_dim=16",
+    "vae.num_resnet_blocks=0",
+    "data.image_size=16",
+    "trainer.batch_size=4",
+    "trainer.val_batches=1",
+    "trainer.log_every=1",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "trainer.max_steps=3",
+    "task.vae_steps=3",
+    "task.num_samples=4",
+    "tracker=none",
+]
+TINY_LM = [*TINY, "model=transformer"]
+
+
+def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 300,
+          base: list[str] = TINY_LM) -> subprocess.CompletedProcess:
+    """Run `python train.py` in `run_dir`: the tiny dense model unless `base` says otherwise."""
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *base, *overrides]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
 
 
-def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *TINY, "model=transformer", *overrides]
+def start_train(run_dir: Path, *overrides: str, base: list[str] = TINY_LM) -> subprocess.Popen:
+    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *base, *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
 
 
-def kill_after_first_checkpoint(run_dir: Path, *overrides: str, timeout: float = 180) -> None:
+def kill_after_first_checkpoint(run_dir: Path, *overrides: str, timeout: float = 180,
+                                base: list[str] = TINY_LM) -> None:
     """Start train.py and SIGKILL it as soon as its first checkpoint is on disk."""
     import signal
     import time
 
-    proc = start_train(run_dir, *overrides)
+    proc = start_train(run_dir, *overrides, base=base)
     ckpts = Path(run_dir) / "checkpoints"
     deadline = time.time() + timeout
     while time.time() < deadline and not (ckpts.is_dir() and any(ckpts.glob("step_*.pt"))):
