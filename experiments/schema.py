@@ -171,6 +171,7 @@ class DalleConfig:
     shared_ff_ids: Optional[list] = None
     share_input_output_emb: bool = False
     rotary_emb: bool = True
+    shift_tokens: bool = False  # each attention also reads the previous token and the code above
     loss_img_weight: float = 7.0
     cond_drop_prob: float = 0.0  # > 0 trains for classifier-free guidance (task.cond_scale)
     reversible: bool = False

@@ -11,7 +11,9 @@ Attention types cycle over the layers: `full` (causal), `axial_row`, `axial_col`
 `conv_like` (an image code sees the caption and the earlier codes of its row, of its column, or
 of a kernel_size x kernel_size window around it), or `nsa`, `sinkhorn`, `routing`: this
 repository's sparse attentions over the whole sequence, with their knobs in `sparse_options`.
-Layers with the same id in `shared_attn_ids` / `shared_ff_ids` share one module.
+Layers with the same id in `shared_attn_ids` / `shared_ff_ids` share one module. `shift_tokens`
+mixes the previous position's and (for image codes) the above code's channels into each
+attention's input.
 
 forward(tokens [batch, seq], cache=None) -> logits [batch, seq, num_text_tokens + num_image_tokens]
     (the other modality's logits are -inf);
@@ -19,7 +21,6 @@ forward(tokens, targets=[batch, seq]) -> (loss, text_loss, image_loss) for train
 """
 
 import math
-from functools import partial
 from itertools import cycle
 from typing import Optional, Sequence
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.attention import cache as kv_cache
 from models.attention.dense import DenseAttention
 from models.attention.nsa import NativeSparseAttention
 from models.attention.routing import RoutingAttention
@@ -38,6 +40,47 @@ PAD = 0  # the text padding id, also the sequence's first (bos) token
 IGNORE = -100
 MASKED_TYPES = ("full", "axial_row", "axial_col", "conv_like")
 SPARSE_TYPES = {"nsa": NativeSparseAttention, "sinkhorn": SinkhornAttention, "routing": RoutingAttention}
+
+
+class ShiftTokens(nn.Module):
+    """Token shift before an attention: a quarter of each position's channels come from the
+    position before it and, for an image code, another quarter from the code one row above
+    (zeros where there is none). Only earlier positions are read, so causality holds; decoding
+    keeps the layer inputs in the cache for the shifts to read. x: [batch, seq, dim]."""
+
+    def __init__(self, attention: nn.Module, text_len: int, fmap: int):
+        super().__init__()
+        self.attention, self.text_len, self.fmap = attention, text_len, fmap
+
+    def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
+        start = 0 if cache is None else cache.get("pos", 0)
+        seen = x if cache is None else kv_cache.append(cache.setdefault("shift", {}), start, x=x)[0]
+        n, q = x.shape[1], x.shape[-1] // 4
+        pos = torch.arange(start, start + n, device=x.device)
+        prev = _gather(seen, pos - 1, pos >= 1)
+        # input position text_len + 1 + j holds code j; the code above it, j - fmap, sits fmap earlier
+        above = _gather(seen, pos - self.fmap, pos >= self.text_len + 1 + self.fmap)
+        is_image = (pos > self.text_len)[None, :, None]
+        second = torch.where(is_image, above[..., q : 2 * q], x[..., q : 2 * q])
+        return self.attention(torch.cat([prev[..., :q], second, x[..., 2 * q :]], dim=-1), cache=cache)
+
+    def truncate_cache(self, cache: dict, length: int) -> None:
+        self.attention.truncate_cache(cache, length)
+        kv_cache.truncate(cache.setdefault("shift", {}), length)
+
+    @property
+    def aux_loss(self):
+        return getattr(self.attention, "aux_loss", None)
+
+    def after_optimizer_step(self) -> None:
+        if hasattr(self.attention, "after_optimizer_step"):
+            self.attention.after_optimizer_step()
+
+
+def _gather(x: Tensor, index: Tensor, valid: Tensor) -> Tensor:
+    """x[:, index] where valid, zeros elsewhere -> [batch, len(index), dim]."""
+    picked = x[:, index.clamp(min=0)]
+    return picked * valid[None, :, None].to(x.dtype)
 
 
 def attention_mask(kind: str, text_len: int, fmap: int, kernel_size: int = 5) -> Optional[Tensor]:
@@ -90,6 +133,7 @@ class DALLE(TransformerLM):
         shared_ff_ids: Optional[Sequence] = None,
         share_input_output_emb: bool = False,
         rotary_emb: bool = True,
+        shift_tokens: bool = False,
         loss_img_weight: float = 7.0,
         cond_drop_prob: float = 0.0,
         reversible: bool = False,
@@ -111,10 +155,12 @@ class DALLE(TransformerLM):
 
         def make_attention(kind: str) -> nn.Module:
             if kind in MASKED_TYPES:
-                return DenseAttention(dim=dim, heads=heads, dim_head=dim_head, dropout=attn_dropout,
-                                      mask=masks[kind], rotary=rotary_emb)
-            options = dict(sparse_options.get(kind) or {})
-            return SPARSE_TYPES[kind](dim=dim, heads=heads, dim_head=dim_head, dropout=attn_dropout, **options)
+                attention = DenseAttention(dim=dim, heads=heads, dim_head=dim_head, dropout=attn_dropout,
+                                           mask=masks[kind], rotary=rotary_emb)
+            else:
+                options = dict(sparse_options.get(kind) or {})
+                attention = SPARSE_TYPES[kind](dim=dim, heads=heads, dim_head=dim_head, dropout=attn_dropout, **options)
+            return ShiftTokens(attention, text_seq_len, image_fmap_size) if shift_tokens else attention
 
         attention = _shared(shared_attn_ids, depth, "shared_attn_ids", make_attention, types)
         feed_forward = _shared(shared_ff_ids, depth, "shared_ff_ids",

@@ -44,9 +44,13 @@ def test_masks_follow_their_pattern():
     assert attention_mask("full", 2, 3) is None  # plain causal attention: the fast path
 
 
-@pytest.mark.parametrize("kind", TYPES)
-def test_causal_over_text_and_image(kind):
-    model = tiny([kind]).eval()
+VARIANTS = [pytest.param(kind, False, id=kind) for kind in TYPES] + [
+    pytest.param(kind, True, id=f"{kind}-shift_tokens") for kind in ("full", "axial_row", "routing")]
+
+
+@pytest.mark.parametrize("kind, shift", VARIANTS)
+def test_causal_over_text_and_image(kind, shift):
+    model = tiny([kind], shift_tokens=shift).eval()
     tokens, _ = model.sequence(*batch(model))
     for t in (2, TEXT_LEN, TEXT_LEN + 5):  # inside the caption, its end, inside the image
         assert_causal_by_perturbation(model, tokens, t)
@@ -54,9 +58,9 @@ def test_causal_over_text_and_image(kind):
     assert_causal_by_gradient(model, tokens, TEXT_LEN + 3)
 
 
-@pytest.mark.parametrize("kind", TYPES)
-def test_cached_decoding_equals_the_parallel_pass(kind):
-    model = tiny([kind]).eval()
+@pytest.mark.parametrize("kind, shift", VARIANTS)
+def test_cached_decoding_equals_the_parallel_pass(kind, shift):
+    model = tiny([kind], shift_tokens=shift).eval()
     tokens, _ = model.sequence(*batch(model))
     n = tokens.shape[1]
     # float64: sums in another order (NSA's compressed blocks) differ by ~1e-9, a wrong mask by O(1)
@@ -144,3 +148,19 @@ def test_tied_embeddings_and_bad_types():
     assert model.to_logits.weight is model.token_emb.weight
     with pytest.raises(ValueError, match="attn_types"):
         tiny(["sparse"])
+
+
+def test_shift_tokens_read_the_previous_position_and_the_code_above():
+    from models.dalle import ShiftTokens
+
+    seen = {}
+    probe = lambda x, cache=None: seen.setdefault("x", x)  # noqa: E731
+    shift = ShiftTokens(probe, text_len=2, fmap=3)
+    x = torch.arange(11, dtype=torch.float64)[None, :, None].repeat(1, 1, 8) + 1  # position p holds p + 1
+    shift(x)
+    out = seen["x"][0]
+    assert out[0, 0] == 0 and out[5, 0] == 5  # first quarter: the previous position (none for the first)
+    assert out[5, 4] == 6 == x[0, 5, 4]  # the last half of the channels stay
+    assert out[2, 2] == 3  # a text position keeps its second quarter
+    assert out[4, 2] == 0  # code 1 (position 4) has no code above it
+    assert out[6, 2] == 4  # code 3 (position 6) reads code 0 (position 3), one row up
