@@ -14,6 +14,7 @@ from experiments.errors import UserError
 from experiments.throughput import training_flops_per_token
 from experiments.training import Member, TrainingTask
 from models.sampling import generate
+from models.transformer import TransformerLM
 
 IGNORE = -100  # target value that cross_entropy skips
 
@@ -32,6 +33,10 @@ class LanguageModelTask(TrainingTask):
         self.top_k = top_k
 
     def setup(self, nets):
+        for prefix, net in nets.items():
+            if not isinstance(net, TransformerLM):
+                raise UserError(f"task={self.task_name} trains language models, and the {prefix or 'model'} config "
+                                "builds something else: use experiment=dvae or experiment=dalle for image models")
         if self.prime_length >= self.data.seq_len:
             raise UserError(f"task.prime_length={self.prime_length} must be shorter than data.seq_len={self.data.seq_len}")
         return nets

@@ -156,7 +156,6 @@ class DalleConfig:
 
     _target_: str = "models.dalle.DALLE"
     _partial_: bool = True
-    vae_path: Optional[str] = None  # a dvae or dalle run (or checkpoint); null: train the `vae` first
     dim: int = 256
     depth: int = 4
     heads: int = 4
@@ -343,7 +342,8 @@ class DiscreteVAETaskConfig:
 @dataclass
 class DalleTaskConfig:
     _target_: str = "experiments.text_to_image.TextToImageTask"
-    vae_steps: int = 1000  # the VAE stage before DALL-E's trainer.max_steps (0 with model.vae_path)
+    vae_path: Optional[str] = None  # a trained VAE: a dvae or dalle run (or checkpoint); null: train `vae` first
+    vae_steps: int = 1000  # the VAE stage before DALL-E's trainer.max_steps (none with vae_path)
     vae_lr: float = 3e-3
     num_samples: int = 32  # validation captions drawn at each generation
     temperature: float = 1.0

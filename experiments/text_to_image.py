@@ -2,11 +2,11 @@
 
     python train.py experiment=dvae                      # the VAE alone
     python train.py experiment=dalle                     # the VAE first, then DALL-E, in one run
-    python train.py experiment=dalle model.vae_path=outputs/2026-11-22/10-00-00   # a trained VAE
+    python train.py experiment=dalle task.vae_path=outputs/2026-11-22/10-00-00   # a trained VAE
     python -m experiments.text_to_image outputs/<run> --prompt "a large red circle at the top left"
 
 task=dalle trains two members: the VAE ("vae_", for task.vae_steps steps, at task.vae_lr) and then
-DALL-E ("", for trainer.max_steps steps) on the codes of the frozen VAE. With model.vae_path the
+DALL-E ("", for trainer.max_steps steps) on the codes of the frozen VAE. With task.vae_path the
 VAE comes from a dvae or dalle run and there is no VAE stage. A checkpoint holds what rebuilding
 both needs (`dalle_hparams`, `vae_config`, `tokenizer`), so generation needs only the checkpoint.
 """
@@ -29,6 +29,7 @@ from experiments.schedule import warmup_cosine
 from experiments.throughput import counted_flops, training_flops_per_token
 from experiments.tokenizer import from_spec, tokenize
 from experiments.training import Member, TrainingTask
+from models.dvae import DiscreteVAE
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class DiscreteVAETask(TrainingTask):
         self.num_samples = num_samples
 
     def setup(self, nets):
+        if not isinstance(nets[""], DiscreteVAE):
+            raise UserError("task=dvae trains a discrete VAE: use model=dvae (experiment=dvae)")
         check_images(self.data, nets[""], "model")
         return nets
 
@@ -143,7 +146,7 @@ def load_vae(spec: str):
     elif OmegaConf.create(state["config"]).task.get("_target_", "").endswith("DiscreteVAETask"):
         node, key = OmegaConf.create(state["config"]).model, "model"
     else:
-        raise UserError(f"model.vae_path={spec}: {path} is neither a dvae nor a dalle run")
+        raise UserError(f"task.vae_path={spec}: {path} is neither a dvae nor a dalle run")
     vae = instantiate(node)
     vae.load_state_dict(state[key])
     return vae, OmegaConf.to_yaml(node, resolve=True)
@@ -157,9 +160,10 @@ class TextToImageTask(DiscreteVAETask):
 
     task_name = "dalle"
 
-    def __init__(self, vae_steps: int = 1000, vae_lr: float = 3e-3, num_samples: int = 32, temperature: float = 1.0,
-                 filter_thres: float = 0.9, cond_scale: float = 1.0):
+    def __init__(self, vae_path: Optional[str] = None, vae_steps: int = 1000, vae_lr: float = 3e-3,
+                 num_samples: int = 32, temperature: float = 1.0, filter_thres: float = 0.9, cond_scale: float = 1.0):
         super().__init__(num_samples)
+        self.vae_path = vae_path
         if vae_steps < 0:
             raise ValueError(f"vae_steps={vae_steps} must be >= 0")
         if not 0 <= filter_thres < 1:
@@ -171,24 +175,26 @@ class TextToImageTask(DiscreteVAETask):
         make_dalle = nets.get("")
         if not isinstance(make_dalle, partial):
             raise UserError("task=dalle needs model=dalle (a DALL-E over the VAE's codes): use experiment=dalle")
-        vae_path = make_dalle.keywords.pop("vae_path", None)
-        if vae_path is not None:
-            vae, self.vae_config = load_vae(vae_path)
-            log.info("VAE from %s (the `vae` section is not used); no VAE stage", vae_path)
+        if self.vae_path is not None:
+            vae, self.vae_config = load_vae(self.vae_path)
+            log.info("VAE from %s (the `vae` section is not used); no VAE stage", self.vae_path)
             self.vae_steps = 0
-            self.run.update_summary(vae_path=str(vae_path))
+            self.run.update_summary(vae_path=str(self.vae_path))
         elif nets.get("vae_") is not None:
             vae, self.vae_config = nets["vae_"], OmegaConf.to_yaml(self.cfg.vae, resolve=True)
         else:
-            raise UserError("task=dalle needs a VAE: model.vae_path=<dvae run or checkpoint>, or a `vae` section "
+            raise UserError("task=dalle needs a VAE: task.vae_path=<dvae run or checkpoint>, or a `vae` section "
                             "(`- /model@vae: dvae` in the defaults, as experiment=dalle has)")
         check_images(self.data, vae, "vae")
         self.tokenizer = self.data.tokenizer
         self.dalle_hparams = {**make_dalle.keywords, "num_text_tokens": self.tokenizer.vocab_size,
                               "text_seq_len": self.data.text_seq_len, "num_image_tokens": vae.num_tokens,
                               "image_fmap_size": vae.fmap_size}
-        dalle = make_dalle(**{k: self.dalle_hparams[k] for k in
-                              ("num_text_tokens", "text_seq_len", "num_image_tokens", "image_fmap_size")})
+        try:
+            dalle = make_dalle(**{k: self.dalle_hparams[k] for k in
+                                  ("num_text_tokens", "text_seq_len", "num_image_tokens", "image_fmap_size")})
+        except (ValueError, TypeError) as e:
+            raise UserError(f"model: {e}") from None
         return {"": dalle, "vae_": vae}
 
     # ---- stages

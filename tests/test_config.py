@@ -19,17 +19,38 @@ def tiny_data_file(tmp_path):
     return path
 
 
+def tiny_image_folder(tmp_path):
+    from PIL import Image
+
+    for i, colour in enumerate(["red", "blue", "green"]):
+        Image.new("RGB", (12, 12), colour).save(tmp_path / f"{i}.png")
+        (tmp_path / f"{i}.txt").write_text(f"a {colour} square\n")
+    return tmp_path
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in OPTIONS.items() for o in opts],
                          ids=[f"{g}={o}" for g, opts in OPTIONS.items() for o in opts])
 def test_every_option_composes_and_instantiates(compose, tmp_path, group, option):
-    overrides = [f"{group}={option}", "data.seq_len=64"]
-    if group == "data":
+    images = (group, option) in {("data", "shapes"), ("data", "image_folder")}
+    overrides = [f"{group}={option}"] + ([] if images else ["data.seq_len=64"])
+    if (group, option) in {("data", "text"), ("data", "enwik8")}:
         overrides.append(f"data.path={tiny_data_file(tmp_path)}")
         if option == "enwik8":
             overrides += ["data.train_bytes=8000", "data.val_bytes=2000"]
+    if (group, option) == ("data", "image_folder"):
+        overrides += [f"data.path={tiny_image_folder(tmp_path)}", "data.image_size=8"]
     cfg = compose(*overrides)
     part = instantiate(cfg[group])
-    if group == "optimizer":
+    if (group, option) == ("model", "dvae"):
+        loss, figures = part(torch.rand(2, 3, part.image_size, part.image_size))
+        assert loss.ndim == 0 and "recon_loss" in figures
+    elif (group, option) == ("model", "dalle"):  # the task completes it from the data and the VAE
+        dalle = part(num_text_tokens=10, text_seq_len=4, num_image_tokens=16, image_fmap_size=2)
+        assert dalle(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 26)
+    elif images:
+        text, pictures = part.train_batch(2, seed=0, step=0)
+        assert text.shape == (2, part.text_seq_len) and pictures.shape[0] == 2
+    elif group == "optimizer":
         optimizer = part([torch.nn.Parameter(torch.zeros(2))])
         assert isinstance(optimizer, torch.optim.Optimizer)
         schedule = instantiate(cfg.schedule)(optimizer)

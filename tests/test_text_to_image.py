@@ -67,7 +67,7 @@ def test_a_trained_vae_from_another_run_skips_the_vae_stage(tmp_path):
     train(tmp_path / "vae", base=TINY_DVAE)
     vae_summary = read_summary(tmp_path / "vae")
     assert "val_hard_recon_loss" in vae_summary and (tmp_path / "vae" / "samples" / "step_0000003_vae.png").is_file()
-    train(tmp_path / "dalle", f"model.vae_path={tmp_path / 'vae'}", base=TINY_DALLE)
+    train(tmp_path / "dalle", f"task.vae_path={tmp_path / 'vae'}", base=TINY_DALLE)
     rows = read_metrics(tmp_path / "dalle")
     assert not any("vae_loss" in r for r in rows) and [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert read_summary(tmp_path / "dalle")["vae_path"] == str(tmp_path / "vae")
@@ -78,7 +78,7 @@ def test_a_trained_vae_from_another_run_skips_the_vae_stage(tmp_path):
 
 def test_a_vae_path_that_is_not_a_vae_run_is_refused(tmp_path):
     train(tmp_path / "lm", "trainer.max_steps=1")
-    result = train(tmp_path / "dalle", f"model.vae_path={tmp_path / 'lm'}", base=TINY_DALLE, check=False)
+    result = train(tmp_path / "dalle", f"task.vae_path={tmp_path / 'lm'}", base=TINY_DALLE, check=False)
     assert result.returncode != 0
     assert "neither a dvae nor a dalle run" in result.stderr
     assert not (tmp_path / "dalle" / "checkpoints").exists()
@@ -95,3 +95,14 @@ def test_dalle_with_deepspeed(tmp_path):
     summary = read_summary(tmp_path)
     assert summary["status"] == "completed" and "colour_agreement" in summary
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 6
+
+
+def test_tasks_refuse_models_they_cannot_train(tmp_path):
+    quick = ["tracker=none", "trainer.progress=false", "trainer.max_steps=1"]
+    cases = ((["model=dvae"], "task=lm trains language models"),
+             (["task=dvae", "data=shapes"], "task=dvae trains a discrete VAE"),
+             (["task=dalle", "data=shapes"], "task=dalle needs model=dalle"))
+    for i, (overrides, message) in enumerate(cases):
+        result = train(tmp_path / str(i), *overrides, base=quick, check=False)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

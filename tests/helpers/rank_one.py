@@ -10,18 +10,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from experiments import launch  # noqa: E402
-from experiments.language_model import LanguageModelTask  # noqa: E402
+from experiments.training import TrainingTask  # noqa: E402
 
-_train_step = LanguageModelTask._train_step
+_train_step = TrainingTask._train_step
 
 
-def _train_step_with_event(self, step):
+def _train_step_with_event(self, step, active):
     if step == 1 and launch.rank() == 1:
         if os.environ["RANK_ONE"] == "fail":
             raise RuntimeError("injected failure on rank 1")
         self.run.stop_requested = True
-    return _train_step(self, step)
+    return _train_step(self, step, active)
 
 
-LanguageModelTask._train_step = _train_step_with_event
+TrainingTask._train_step = _train_step_with_event
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
