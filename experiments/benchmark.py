@@ -82,13 +82,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up: first-call allocations
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    step_s = sorted(times)[len(times) // 2]  # the median resists a noisy neighbour
+    step_s = median_seconds(step, steps)
 
     # the loop's own work per step: sampling a batch and writing one metrics row
     import tempfile
@@ -120,6 +114,18 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         "loop_overhead": round(loop_s / step_s, 4),
         "activation_mb": round(activation_mb, 1),
     }
+
+
+def median_seconds(step, steps: int) -> float:
+    """The median time of `steps` calls of step(), after one warm-up call (first-call allocations);
+    the median resists a noisy neighbour."""
+    step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def saved_activation_bytes(forward, tokens) -> int:

@@ -22,7 +22,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 
 TEXT_SEQ_LEN, TEXT_TOKENS, BATCH = 64, 1000, 4
 VAE = dict(image_size=64, num_layers=3, num_tokens=512, codebook_dim=256, hidden_dim=64)
@@ -64,6 +63,8 @@ def measure(name: str, steps: int, threads: int, ff_mult: float) -> dict:
 
     import torch
 
+    from experiments.benchmark import median_seconds
+
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     dalle, loss_fn = reference() if name == "ref" else ours(ff_mult)
@@ -76,13 +77,7 @@ def measure(name: str, steps: int, threads: int, ff_mult: float) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up: first-call allocations
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    step_s = sorted(times)[len(times) // 2]
+    step_s = median_seconds(step, steps)
     tokens = BATCH * (TEXT_SEQ_LEN + (VAE["image_size"] // 2 ** VAE["num_layers"]) ** 2)
     return {"model": name, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
             "params": sum(p.numel() for p in dalle.parameters() if p.requires_grad),
