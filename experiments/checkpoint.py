@@ -42,16 +42,16 @@ def save(state: dict, directory: Path, keep: int = 1) -> Path:
     return path
 
 
-def resolve(spec: str | Path) -> Path:
-    """A checkpoint file, or a run directory (its latest checkpoint)."""
+def resolve(spec: str | Path, key: str = "trainer.resume") -> Path:
+    """A checkpoint file, or a run directory (its latest checkpoint); `key` names the setting."""
     path = Path(spec)
     if path.is_dir():
         found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
         if not found:
-            raise UserError(f"trainer.resume={spec}: no checkpoint found in {path}/checkpoints")
+            raise UserError(f"{key}={spec}: no checkpoint found in {path}/checkpoints")
         return found[-1]
     if not path.is_file():
-        raise UserError(f"trainer.resume={spec}: no such checkpoint file or run directory")
+        raise UserError(f"{key}={spec}: no such checkpoint file or run directory")
     return path
 
 

@@ -139,7 +139,7 @@ def load_vae(spec: str):
     """The VAE of a dvae or dalle run (directory or checkpoint) -> (vae, its config as yaml)."""
     from hydra.utils import instantiate
 
-    path = checkpoint.resolve(spec)
+    path = checkpoint.resolve(spec, key="task.vae_path")
     state = checkpoint.load(path)
     if "vae_config" in state:  # a dalle run
         node, key = OmegaConf.create(state["vae_config"]), "vae_model"
@@ -330,7 +330,7 @@ def load_run(spec: str, device: str = "cpu"):
 
     from models.dalle import DALLE
 
-    path = checkpoint.resolve(spec)
+    path = checkpoint.resolve(spec, key="run")
     state = checkpoint.load(path, map_location=device)
     if "dalle_hparams" not in state:
         raise UserError(f"{path} is not a dalle run's checkpoint (no dalle_hparams)")

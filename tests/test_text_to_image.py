@@ -82,6 +82,8 @@ def test_a_vae_path_that_is_not_a_vae_run_is_refused(tmp_path):
     assert result.returncode != 0
     assert "neither a dvae nor a dalle run" in result.stderr
     assert not (tmp_path / "dalle" / "checkpoints").exists()
+    missing = train(tmp_path / "other", f"task.vae_path={tmp_path / 'nowhere'}", base=TINY_DALLE, check=False)
+    assert "task.vae_path=" in missing.stderr and "no such checkpoint file or run directory" in missing.stderr
 
 
 def test_data_and_vae_image_sizes_must_agree(tmp_path):
