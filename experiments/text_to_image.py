@@ -128,11 +128,12 @@ class DiscreteVAETask(TrainingTask):
         self.tracker.log_images("vae_reconstructions", shown, captions, step)
 
 
-def check_images(data, vae, key: str) -> None:
+def check_images(data, vae, key: str, configurable: bool = True) -> None:
+    """The data's images must be the VAE's; `key` names the VAE (its config section if configurable)."""
     if data.image_size != vae.image_size or data.channels != vae.channels:
+        fix = f"set data.image_size={vae.image_size}" + (f" or {key}.image_size={data.image_size}" if configurable else "")
         raise UserError(f"data gives {data.channels}x{data.image_size}x{data.image_size} images but {key} expects "
-                        f"{vae.channels}x{vae.image_size}x{vae.image_size}: set data.image_size={vae.image_size} "
-                        f"or {key}.image_size={data.image_size}")
+                        f"{vae.channels}x{vae.image_size}x{vae.image_size}: {fix}")
 
 
 def load_vae(spec: str):
@@ -185,7 +186,10 @@ class TextToImageTask(DiscreteVAETask):
         else:
             raise UserError("task=dalle needs a VAE: task.vae_path=<dvae run or checkpoint>, or a `vae` section "
                             "(`- /model@vae: dvae` in the defaults, as experiment=dalle has)")
-        check_images(self.data, vae, "vae")
+        if self.vae_path is None:
+            check_images(self.data, vae, "vae")
+        else:
+            check_images(self.data, vae, f"the VAE of task.vae_path={self.vae_path}", configurable=False)
         self.tokenizer = self.data.tokenizer
         self.dalle_hparams = {**make_dalle.keywords, "num_text_tokens": self.tokenizer.vocab_size,
                               "text_seq_len": self.data.text_seq_len, "num_image_tokens": vae.num_tokens,
