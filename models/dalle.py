@@ -33,7 +33,7 @@ from models.attention.dense import DenseAttention
 from models.attention.nsa import NativeSparseAttention
 from models.attention.routing import RoutingAttention
 from models.attention.sinkhorn import SinkhornAttention
-from models.sampling import sample
+from models.sampling import decoding_layout, sample
 from models.transformer import FeedForward, TransformerLM
 
 PAD = 0  # the text padding id, also the sequence's first (bos) token
@@ -247,17 +247,18 @@ class DALLE(TransformerLM):
         cache = self.new_cache()
         tokens = torch.cat([torch.full_like(text[:, :1], PAD), text], dim=1)
         codes = []
-        for i in range(self.image_seq_len):
-            logits = self(tokens, cache=cache)[:, -1, self.num_text_tokens :].float()
-            if guided:
-                cond, null = logits[:b], logits[b:]
-                logits = null + cond_scale * (cond - null)
-            code = sample(logits, temperature, top_k, generator)
-            codes.append(code)
-            if i + 1 < self.image_seq_len:
-                tokens = (code + self.num_text_tokens)[:, None]
+        with decoding_layout(self):
+            for i in range(self.image_seq_len):
+                logits = self(tokens, cache=cache)[:, -1, self.num_text_tokens :].float()
                 if guided:
-                    tokens = tokens.repeat(2, 1)
+                    cond, null = logits[:b], logits[b:]
+                    logits = null + cond_scale * (cond - null)
+                code = sample(logits, temperature, top_k, generator)
+                codes.append(code)
+                if i + 1 < self.image_seq_len:
+                    tokens = (code + self.num_text_tokens)[:, None]
+                    if guided:
+                        tokens = tokens.repeat(2, 1)
         return torch.stack(codes, dim=1)
 
 

@@ -1,9 +1,10 @@
 """Sampling helpers shared by every task: filtering, one sampling step, cached generation."""
 
+import contextlib
 from typing import Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def filter_top_k(logits: Tensor, k: Optional[int]) -> Tensor:
@@ -35,6 +36,28 @@ def sample(
     return flat.reshape(probs.shape[:-1])
 
 
+@contextlib.contextmanager
+def decoding_layout(*models: nn.Module):
+    """Decoding multiplies each weight by one vector per token, and on the CPU that product reads
+    a weight fastest along its longer side: a [2048, 512] fp32 weight streams at ~19 GB/s stored
+    column-major against ~10 GB/s row-major (MKL, 2 threads), while [512, 2048] is fastest
+    row-major. Inside this context, linear weights wider in output than in input are stored
+    column-major (same values and shape); the training layout is back on exit."""
+    kept = []
+    for model in models:
+        for module in model.modules():
+            w = getattr(module, "weight", None)
+            if (isinstance(module, nn.Linear) and w.device.type == "cpu" and module.out_features > module.in_features
+                    and w.is_contiguous()):
+                kept.append((w, w.data))
+                w.data = w.data.t().contiguous().t()
+    try:
+        yield
+    finally:
+        for w, data in kept:
+            w.data = data
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -46,10 +69,11 @@ def generate(
 ) -> Tensor:
     """Decode `length` tokens after prompt [batch, prime] with the model's cache -> [batch, length]."""
     cache = model.new_cache()
-    logits = model(prompt, cache=cache)[:, -1]
-    out = []
-    for _ in range(length):
-        token = sample(logits, temperature, top_k, generator)
-        out.append(token)
-        logits = model(token[:, None], cache=cache)[:, -1]
+    with decoding_layout(model):
+        logits = model(prompt, cache=cache)[:, -1]
+        out = []
+        for _ in range(length):
+            token = sample(logits, temperature, top_k, generator)
+            out.append(token)
+            logits = model(token[:, None], cache=cache)[:, -1]
     return torch.stack(out, dim=1)

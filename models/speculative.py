@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from models.sampling import probabilities
+from models.sampling import decoding_layout, probabilities
 
 
 @dataclass
@@ -77,8 +77,9 @@ def speculative_generate(
     if gamma < 1:
         raise ValueError(f"gamma={gamma} must be at least 1")
     stats = SpeculativeStats()
-    rows = [_generate_row(target, draft, row[None], length, gamma, temperature, top_k, generator, stats)
-            for row in prompt]
+    with decoding_layout(target, draft):
+        rows = [_generate_row(target, draft, row[None], length, gamma, temperature, top_k, generator, stats)
+                for row in prompt]
     return torch.stack(rows), stats
 
 
