@@ -32,6 +32,8 @@ from experiments.throughput import matmul_peak_flops
 
 log = logging.getLogger(__name__)
 
+_SLOTS = {"model": "", "draft": "draft_", "vae": "vae_"}  # model configs and their members' prefixes
+
 # config sections that must match for a checkpoint to continue this run
 _RESUME_MUST_MATCH = ("model", "draft", "vae", "data", "optimizer", "schedule", "task")
 
@@ -109,8 +111,8 @@ class TrainingTask:
         self.run, self.cfg, self.trainer, self.backend, self.data, self.tracker = (
             run, cfg, cfg.trainer, backend, data, tracker)
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-        prefixes = {"model": "", "draft": "draft_", "vae": "vae_"}
-        nets = self.setup({prefixes[slot]: net for slot, net in models.items() if net is not None})
+        # the model first, whatever the keyword order: members[0] is the model the task samples
+        nets = self.setup({prefix: models[slot] for slot, prefix in _SLOTS.items() if models.get(slot) is not None})
         resume_from, state = self._find_checkpoint()
         if state is not None:  # weights before the backend wraps the models (DeepSpeed copies them)
             self._load_models(state, resume_from, nets)

@@ -128,7 +128,19 @@ def test_speculative_task_trains_both_and_times_both_decoders(tmp_path):
     assert summary["same_output"] is True  # greedy by default: the same tokens
     rows = read_metrics(run)
     assert all("draft_loss" in r for r in rows if "loss" in r)
-    assert "=== speculative decoding" in (run / "samples" / "step_0000004.txt").read_text()
+    sample = (run / "samples" / "step_0000004.txt").read_text()
+    assert "=== speculative decoding" in sample
+    # the timed plain decoding is the target's (not the draft's) greedy continuation of the prime
+    from experiments.speculative import load_pair
+    from models.sampling import generate
+
+    from hydra.utils import instantiate
+
+    target, draft, cfg = load_pair(run)
+    prime = instantiate(cfg.data).prime(8)[None]  # the prime the task took
+    plain = sample.split(" tokens/s)\n", 1)[1].split("\n=== speculative", 1)[0]
+    assert plain == bytes(generate(target, prime, 12, 0.0)[0].tolist()).decode("utf-8", errors="replace")
+    assert plain != bytes(generate(draft, prime, 12, 0.0)[0].tolist()).decode("utf-8", errors="replace")
 
     # decoding from the run's checkpoint
     out = subprocess.run([sys.executable, "-m", "experiments.speculative", str(run), "--prompt", "def f(",
