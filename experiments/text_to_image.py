@@ -81,10 +81,7 @@ class DiscreteVAETask(TrainingTask):
         return nets
 
     def tokens_per_sample(self, prefix: str) -> int:
-        return self.model_of(prefix).fmap_size**2
-
-    def model_of(self, prefix: str):
-        return next(m.model for m in self.members if m.prefix == prefix)
+        return self.members[0].model.fmap_size**2
 
     def flops_per_token(self, prefix, net) -> float:
         return vae_flops_per_token(net, self.backend.device)
@@ -284,7 +281,7 @@ class TextToImageTask(DiscreteVAETask):
         gen = torch.Generator(device=self.backend.device).manual_seed(self.trainer.seed + step)
         with self.backend.autocast():
             images = generate_images(self.dalle_member.model, self.vae_member.model, self.tokenizer, captions,
-                                     self.data.text_seq_len, temperature=self.temperature,
+                                     temperature=self.temperature,
                                      filter_thres=self.filter_thres, cond_scale=self.cond_scale, generator=gen)
         if self.run.is_main:
             save_grid(self.run.samples_dir / f"step_{step:07d}.png", images, captions, columns=8)
@@ -316,13 +313,13 @@ def _plain(value):
 
 
 @torch.no_grad()
-def generate_images(dalle, vae, tokenizer, captions: list[str], text_seq_len: int, *, temperature: float = 1.0,
+def generate_images(dalle, vae, tokenizer, captions: list[str], *, temperature: float = 1.0,
                     filter_thres: float = 0.9, cond_scale: float = 1.0, generator=None, truncate: bool = True):
     """captions -> images [batch, channels, size, size] in [0, 1]."""
     dalle.eval()
     vae.eval()
     device = next(dalle.parameters()).device
-    text = tokenize(tokenizer, captions, text_seq_len, truncate=truncate).to(device)
+    text = tokenize(tokenizer, captions, dalle.text_seq_len, truncate=truncate).to(device)
     codes = dalle.generate_codes(text, temperature=temperature, filter_thres=filter_thres, cond_scale=cond_scale,
                                  generator=generator)
     return vae.decode(codes).float()
@@ -359,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         dalle, vae, tokenizer = load_run(args.run)
-        images = generate_images(dalle, vae, tokenizer, [args.prompt] * args.num_images, dalle.text_seq_len,
+        images = generate_images(dalle, vae, tokenizer, [args.prompt] * args.num_images,
                                  temperature=args.temperature, filter_thres=args.filter_thres,
                                  cond_scale=args.cond_scale, generator=torch.Generator().manual_seed(args.seed))
     except UserError as e:

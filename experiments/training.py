@@ -12,6 +12,7 @@ A subclass says what a batch is and what is learned from it:
     validation_metrics(member)    -> {"val_loss": ..., ...} (unprefixed)
     sample(step)                  -> write samples/ and log them
     tokens_per_sample(prefix)     -> what tokens/s counts while that member trains
+    flops_per_token(prefix, net)  -> counted training FLOPs per such token (MFU)
     active(step)                  -> the members that train at this step (a staged task)
 """
 
@@ -82,7 +83,8 @@ class TrainingTask:
         raise NotImplementedError
 
     def flops_per_token(self, prefix: str, net: nn.Module) -> float:
-        return 0.0
+        """Counted training FLOPs per token of one member (for MFU)."""
+        raise NotImplementedError
 
     def tokens_per_sample(self, prefix: str) -> int:
         raise NotImplementedError

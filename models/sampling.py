@@ -46,9 +46,10 @@ def decoding_layout(*models: nn.Module):
     kept = []
     for model in models:
         for module in model.modules():
-            w = getattr(module, "weight", None)
-            if (isinstance(module, nn.Linear) and w.device.type == "cpu" and module.out_features > module.in_features
-                    and w.is_contiguous()):
+            if not isinstance(module, nn.Linear) or module.out_features <= module.in_features:
+                continue
+            w = module.weight
+            if w.device.type == "cpu" and w.is_contiguous():
                 kept.append((w, w.data))
                 w.data = w.data.t().contiguous().t()
     try:

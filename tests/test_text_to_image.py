@@ -45,7 +45,7 @@ def test_generate_command_needs_only_the_checkpoint(tmp_path):
     from experiments.text_to_image import generate_images, load_run
 
     dalle, vae, tokenizer = load_run(str(run_dir))
-    images = generate_images(dalle, vae, tokenizer, ["a small blue square at the top left"] * 2, dalle.text_seq_len,
+    images = generate_images(dalle, vae, tokenizer, ["a small blue square at the top left"] * 2,
                              generator=torch.Generator().manual_seed(0))
     assert images.shape == (2, 3, 16, 16)
 
