@@ -29,10 +29,9 @@ class DenseAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds the past keys and values."""
-        q, k, v = rearrange(self.to_qkv(x), "b n (s h d) -> s b h n d", s=3, h=self.heads)
+        qkv = rearrange(self.to_qkv(x), "b n (s h d) -> s b h n d", s=3, h=self.heads)
         start = 0 if cache is None else cache.get("pos", 0)
-        if self.rotary is not None:
-            q, k = self.rotary(q, start), self.rotary(k, start)
+        (q, k), v = (qkv[:2] if self.rotary is None else self.rotary(qkv[:2], start)), qkv[2]
         if cache is not None:
             k, v = kv_cache.append(cache, start, k=k, v=v)
         dropout = self.dropout if self.training else 0.0
@@ -43,6 +42,8 @@ class DenseAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[start:total, :total], dropout_p=dropout)
         elif start == 0:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        elif n == 1:  # one new query, at the end: it sees every key
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
         else:  # new queries sit at the end: query i sees every key up to start + i
             mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril(total - n)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
