@@ -33,7 +33,7 @@ from models.attention.dense import DenseAttention
 from models.attention.nsa import NativeSparseAttention
 from models.attention.routing import RoutingAttention
 from models.attention.sinkhorn import SinkhornAttention
-from models.sampling import decoding_layout, sample
+from models.sampling import decoding_linears, sample
 from models.transformer import FeedForward, TransformerLM
 
 PAD = 0  # the text padding id, also the sequence's first (bos) token
@@ -247,7 +247,7 @@ class DALLE(TransformerLM):
         cache = self.new_cache()
         tokens = torch.cat([torch.full_like(text[:, :1], PAD), text], dim=1)
         codes = []
-        with decoding_layout(self):
+        with decoding_linears(self):
             for i in range(self.image_seq_len):
                 logits = self(tokens, cache=cache)[:, -1, self.num_text_tokens :].float()
                 if guided:

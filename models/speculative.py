@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from models.sampling import decoding_layout, probabilities
+from models.sampling import decoding_linears, probabilities
 
 
 @dataclass
@@ -77,7 +77,7 @@ def speculative_generate(
     if gamma < 1:
         raise ValueError(f"gamma={gamma} must be at least 1")
     stats = SpeculativeStats()
-    with decoding_layout(target, draft):
+    with decoding_linears(target, draft):
         rows = [_generate_row(target, draft, row[None], length, gamma, temperature, top_k, generator, stats)
                 for row in prompt]
     return torch.stack(rows), stats
