@@ -73,6 +73,28 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
     return state
 
 
+def load_weights(module: torch.nn.Module, state: dict, key: str, path: Path) -> None:
+    """module.load_state_dict(state[key]), or one message saying which weights do not fit."""
+    if key not in state:
+        raise UserError(f"{path} holds no {key}: it is not a checkpoint of this kind of run")
+    try:
+        result = module.load_state_dict(state[key], strict=False)
+        problems = [f"{kind}: {_first(names)}" for kind, names in
+                    (("missing", result.missing_keys), ("unexpected", result.unexpected_keys)) if names]
+    except RuntimeError as e:  # tensors whose shapes differ
+        problems = [line.strip() for line in str(e).splitlines()[1:2]]
+    if problems:
+        raise UserError(
+            f"{path}: its {key} does not fit the model this code builds from the checkpoint's config "
+            f"({'; '.join(problems)}). It was written by another version of the code or for other model "
+            "overrides: use the code that wrote it, or train afresh"
+        )
+
+
+def _first(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def latest(directory: Path) -> Optional[Path]:
     found = list_checkpoints(directory)
     return found[-1] if found else None

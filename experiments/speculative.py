@@ -90,14 +90,15 @@ def load_pair(run_dir: Path, device: str = "cpu"):
     import experiments.schema  # noqa: F401  (the job_subdir resolver may appear in the config)
     from experiments import checkpoint
 
-    state = checkpoint.load(checkpoint.resolve(run_dir), map_location=device)
+    path = checkpoint.resolve(run_dir, key="run")
+    state = checkpoint.load(path, map_location=device)
     cfg = OmegaConf.create(state["config"])
     if cfg.get("draft") is None or "draft_model" not in state:
-        raise SystemExit(f"error: {run_dir} is not a speculative run (no draft model in its checkpoint)")
+        raise UserError(f"{run_dir} is not a speculative run (no draft model in its checkpoint)")
     models = []
-    for key in ("model", "draft"):
+    for key, weights in (("model", "model"), ("draft", "draft_model")):
         model = instantiate(cfg[key])
-        model.load_state_dict(state[f"{'' if key == 'model' else 'draft_'}model"])
+        checkpoint.load_weights(model, state, weights, path)
         models.append(model.to(device).eval())
     return models[0], models[1], cfg
 

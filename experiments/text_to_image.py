@@ -146,7 +146,7 @@ def load_vae(spec: str):
     else:
         raise UserError(f"task.vae_path={spec}: {path} is neither a dvae nor a dalle run")
     vae = instantiate(node)
-    vae.load_state_dict(state[key])
+    checkpoint.load_weights(vae, state, key, path)
     return vae, OmegaConf.to_yaml(node, resolve=True)
 
 
@@ -336,9 +336,9 @@ def load_run(spec: str, device: str = "cpu"):
     if "dalle_hparams" not in state:
         raise UserError(f"{path} is not a dalle run's checkpoint (no dalle_hparams)")
     dalle = DALLE(**yaml.safe_load(state["dalle_hparams"]))
-    dalle.load_state_dict(state["model"])
+    checkpoint.load_weights(dalle, state, "model", path)
     vae = instantiate(OmegaConf.create(state["vae_config"]))
-    vae.load_state_dict(state["vae_model"])
+    checkpoint.load_weights(vae, state, "vae_model", path)
     tokenizer = from_spec(yaml.safe_load(state["tokenizer"]))
     return dalle.to(device).eval(), vae.to(device).eval(), tokenizer
 

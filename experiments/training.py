@@ -334,11 +334,7 @@ class TrainingTask:
                 "cannot continue it: use a new hydra.run.dir, or pass the same overrides as before"
             )
         for prefix, net in nets.items():
-            try:
-                net.load_state_dict(state[f"{prefix}model"])
-            except (RuntimeError, KeyError) as e:
-                raise UserError(f"{path} does not fit this {prefix}model ({str(e).splitlines()[0]}); "
-                                "check the model overrides") from None
+            checkpoint.load_weights(net, state, f"{prefix}model", path)
 
     def _update_throughput_summary(self) -> None:
         if not self._throughput:

@@ -35,6 +35,18 @@ def test_foreign_checkpoint_is_refused(tmp_path):
         checkpoint.load(path)
 
 
+def test_weights_that_do_not_fit_get_one_clear_message(tmp_path):
+    state = {"model": {"weight": torch.zeros(4, 3)}}  # a Linear(3, 4) with a bias expects "bias" too
+    model = torch.nn.Linear(3, 4)
+    with pytest.raises(UserError, match=r"ckpt.pt: its model does not fit .*bias"):
+        checkpoint.load_weights(model, state, "model", tmp_path / "ckpt.pt")
+    with pytest.raises(UserError, match="size mismatch for weight"):
+        checkpoint.load_weights(torch.nn.Linear(3, 5, bias=False), state, "model", tmp_path / "ckpt.pt")
+    with pytest.raises(UserError, match="holds no draft_model"):
+        checkpoint.load_weights(model, state, "draft_model", tmp_path / "ckpt.pt")
+    checkpoint.load_weights(torch.nn.Linear(3, 4, bias=False), state, "model", tmp_path / "ckpt.pt")
+
+
 def test_resolve_finds_the_latest_in_a_run_directory(tmp_path):
     checkpoint.save({"step": 5}, tmp_path / "checkpoints")
     assert checkpoint.resolve(tmp_path).name == "step_0000005.pt"
