@@ -57,7 +57,8 @@ def decoding_linears(*models: nn.Module):
     for model in models:
         for module in model.modules():
             if (isinstance(module, nn.Linear) and threads > 1 and module.out_features % (4 * threads) == 0
-                    and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32):
+                    and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+                    and "forward" not in vars(module)):  # not sliced already by an enclosing context
                 module.forward = _sliced_linear(module, threads)
                 patched.append(module)
     try:

@@ -34,6 +34,16 @@ def test_sliced_linear_equals_the_plain_product(shape, bias):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_nested_contexts_leave_the_outer_one_in_place():
+    linear = nn.Linear(16, 32)
+    with decoding_linears(linear):
+        sliced = vars(linear)["forward"]
+        with decoding_linears(linear):
+            assert vars(linear)["forward"] is sliced
+        assert vars(linear)["forward"] is sliced
+    assert "forward" not in vars(linear)
+
+
 def test_linears_that_cannot_be_sliced_are_left_alone():
     odd, half = nn.Linear(16, 30), nn.Linear(16, 64).half()
     with decoding_linears(odd, half):
