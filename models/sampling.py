@@ -37,6 +37,7 @@ def sample(
 
 
 _FEW_ROWS = 16  # decoding steps and verification passes; longer inputs (a prompt) keep the plain product
+_VECTOR_ROWS = 4  # up to here, weight slices times x^T beats x times slices^T
 
 
 @contextlib.contextmanager
@@ -47,8 +48,8 @@ def decoding_linears(*models: nn.Module):
     the CPU cut the weight into slices of output rows (views, no copies) and multiply all slices
     in one batched product, which spreads them over the cores:
 
-        one row        weight slices [slices, out / slices, in] @ x^T   ~30 GB/s (4 slices a thread)
-        2-16 rows      x @ weight slices^T, a slice per thread           ~13 GB/s (vs ~10)
+        1-4 rows       weight slices [slices, out / slices, in] @ x^T   ~30 GB/s at one row (4 slices a thread)
+        5-16 rows      x @ weight slices^T, a slice per thread           ~12 GB/s (vs ~10)
 
     Ten layers of dim 512 then read their weights in ~3.5 ms per token instead of ~9-12 ms.
     Other dtypes and devices are left alone (the half-precision product is already parallel)."""
@@ -72,22 +73,21 @@ def _sliced_linear(linear: nn.Linear, threads: int):
     """linear's forward as batched products over slices of its output rows (see decoding_linears)."""
     w, b = linear.weight, linear.bias
     vector_slices = w.view(4 * threads, -1, w.shape[1])  # [slices, out / slices, in]
-    vector_bias = None if b is None else b.view(4 * threads, -1, 1)
     matrix_slices = w.view(threads, -1, w.shape[1]).transpose(1, 2)  # [threads, in, out / threads]
-    matrix_bias = None if b is None else b.view(threads, 1, -1)
 
     def forward(x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > _FEW_ROWS or torch.is_grad_enabled():
             return nn.functional.linear(x, w, b)
-        if rows == 1:
-            # [slices, in, 1] with the strides of a transposed row: MKL's fast path (a unit last stride is not)
-            column = x.reshape(1, -1).t().expand(len(vector_slices), -1, -1)
-            out = torch.bmm(vector_slices, column) if b is None else torch.baddbmm(vector_bias, vector_slices, column)
-            return out.view(*x.shape[:-1], -1)
-        flat = x.reshape(1, rows, -1).expand(threads, -1, -1)  # [threads, rows, in]
-        out = torch.bmm(flat, matrix_slices) if b is None else torch.baddbmm(matrix_bias, flat, matrix_slices)
-        return out.transpose(0, 1).reshape(*x.shape[:-1], -1)  # [threads, rows, out / threads] -> [..., out]
+        if rows <= _VECTOR_ROWS:
+            # x^T [slices, in, rows] as a transposed view: MKL's fast path (a copy with unit last stride is not)
+            columns = x.reshape(rows, -1).t().expand(len(vector_slices), -1, -1)
+            out = torch.bmm(vector_slices, columns).permute(2, 0, 1)  # [rows, slices, out / slices]
+        else:
+            flat = x.reshape(1, rows, -1).expand(threads, -1, -1)  # [threads, rows, in]
+            out = torch.bmm(flat, matrix_slices).transpose(0, 1)  # [rows, threads, out / threads]
+        out = out.reshape(*x.shape[:-1], -1)
+        return out if b is None else out + b  # (baddbmm's broadcast bias is slower than this add)
 
     return forward
 
