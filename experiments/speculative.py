@@ -114,7 +114,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                        help="weights and activations for decoding (bf16 halves the bytes read per token)")
+                        help="weights and activations for decoding. On a CPU with bf16 instructions, bf16 verifies "
+                             "several tokens faster and decodes one token slower than fp32")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

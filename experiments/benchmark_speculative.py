@@ -1,0 +1,148 @@
+"""Decoding speed at the speculative-decoding seed's size, side by side with the reference package.
+
+    python -m experiments.benchmark_speculative                   # plain decoding: ours and the reference
+    python -m experiments.benchmark_speculative --run RUN         # and plain vs speculative with a trained pair
+
+Plain decoding: the seed's target (10 layers, dim 512, 8 heads of 64, vocab 256) with random
+weights (a decoding step costs the same whatever their values), batch 1, a 128-token prime, 512
+greedy tokens, fp32. `ref` is speculative-decoding 0.2.0's Decoder and base_decoding at the same
+config (RMSNorm without bias, so 10,752 fewer parameters). It is not a dependency of this
+project: `pip install speculative-decoding==0.2.0`.
+
+--run: a speculative run's trained target and draft (python train.py experiment=speculative, or
+any size), plain against speculative decoding of --length tokens at --gamma from --primes
+excerpts of the run's validation text (the prime length the run used), with the acceptance at
+which the speedup was measured.
+
+Each measurement runs in a fresh process; rounds interleave them and the median round is shown.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SEED_TARGET = dict(num_tokens=256, dim=512, depth=10, heads=8, dim_head=64)
+PRIME, LENGTH = 128, 512
+
+
+def plain(name: str, threads: int) -> dict:
+    """Plain greedy KV-cache decoding of the seed's target, by our code or the reference's."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, SEED_TARGET["num_tokens"], (1, PRIME))
+    if name == "ref":
+        from speculative_decoding import Decoder, base_decoding
+
+        model = Decoder(**SEED_TARGET).eval()
+        decode = lambda: base_decoding(model, prompt, PRIME + LENGTH, temperature=0.0)  # noqa: E731
+    else:
+        from models.lm import transformer_lm
+        from models.sampling import generate
+
+        model = transformer_lm(**SEED_TARGET).eval()
+        decode = lambda: generate(model, prompt, LENGTH, temperature=0.0)  # noqa: E731
+    with torch.no_grad():
+        decode()  # warm-up: first-call allocations are not decoding speed
+        t0 = time.perf_counter()
+        decode()
+        seconds = time.perf_counter() - t0
+    return {"model": name, "params": sum(p.numel() for p in model.parameters()), "tokens_per_s": LENGTH / seconds}
+
+
+def speculative(run: Path, gamma: int, length: int, primes: int, temperature: float, threads: int) -> dict:
+    """Plain against speculative decoding with a trained pair, summed over `primes` excerpts."""
+    import torch
+    from hydra.utils import instantiate
+
+    from experiments.speculative import compare_decoding, load_pair
+    from models.sampling import generate
+
+    torch.set_num_threads(threads)
+    target, draft, cfg = load_pair(run)
+    data = instantiate(cfg.data)
+    prime_length = int(cfg.task.get("prime_length", PRIME))
+    generate(target, data.prime(prime_length)[None], 8, 0.0)  # warm-up
+    plain_s = spec_s = accepted = 0.0
+    same = True
+    for index in range(primes):
+        prompt = data.prime(prime_length, index)[None]
+        r = compare_decoding(target, draft, prompt, length, gamma, temperature, None, seed=index)
+        plain_s += length / r["base_tokens_per_s"]
+        spec_s += length / r["spec_tokens_per_s"]
+        accepted += r["accepted_per_step"] / primes
+        same &= r["same_output"]
+    return {"plain_tokens_per_s": primes * length / plain_s, "spec_tokens_per_s": primes * length / spec_s,
+            "speedup": plain_s / spec_s, "accepted_per_step": accepted, "acceptance_rate": accepted / gamma,
+            "same_output": same, "target_params": sum(p.numel() for p in target.parameters()),
+            "draft_params": sum(p.numel() for p in draft.parameters())}
+
+
+def child(args: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "experiments.benchmark_speculative", "--one", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError((out.stderr.strip().splitlines() or ["?"])[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def median(rows: list[dict], key: str) -> dict:
+    return sorted(rows, key=lambda row: row[key])[len(rows) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["ours", "ref"], choices=["ours", "ref"])
+    parser.add_argument("--run", type=Path, help="a speculative run: also time its pair, plain against speculative")
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--length", type=int, default=LENGTH)
+    parser.add_argument("--primes", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median round is shown")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one JSON row
+    args = parser.parse_args()
+    if args.one:
+        row = (speculative(args.run, args.gamma, args.length, args.primes, args.temperature, args.threads)
+               if args.run else plain(args.models[0], args.threads))
+        print(json.dumps(row))
+        return
+    rows: dict[str, list[dict]] = {}
+    failed = set()
+    for _ in range(args.repeat):
+        jobs = [(name, ["--models", name]) for name in args.models if name not in failed]
+        if args.run:
+            jobs.append(("pair", ["--run", str(args.run), "--gamma", str(args.gamma), "--length", str(args.length),
+                                  "--primes", str(args.primes), "--temperature", str(args.temperature)]))
+        for name, extra in jobs:
+            try:
+                rows.setdefault(name, []).append(child([*extra, "--threads", str(args.threads)]))
+            except RuntimeError as e:
+                print(f"{name} failed: {e}" + (" (see the module docstring to install it)" if name == "ref" else ""))
+                failed.add(name)
+    plain_rows = {name: median(runs, "tokens_per_s") for name, runs in rows.items() if name != "pair" and runs}
+    if plain_rows:
+        print(f"plain decoding, seed target: {PRIME}-token prime, {LENGTH} greedy tokens, batch 1, fp32")
+        print(f"{'model':<6} {'params':>12} {'tokens/s':>10}")
+        for name, r in plain_rows.items():
+            print(f"{name:<6} {r['params']:>12,} {r['tokens_per_s']:>10.1f}")
+        if {"ours", "ref"} <= set(plain_rows):
+            print(f"ours / ref: {plain_rows['ours']['tokens_per_s'] / plain_rows['ref']['tokens_per_s']:.2f}x")
+    if rows.get("pair"):
+        r = median(rows["pair"], "speedup")
+        print(f"\n{args.run}: target {r['target_params']:,} params, draft {r['draft_params']:,}; "
+              f"{args.primes} validation primes, {args.length} tokens each, temperature {args.temperature}")
+        print(f"plain        {r['plain_tokens_per_s']:>8.1f} tokens/s")
+        print(f"speculative  {r['spec_tokens_per_s']:>8.1f} tokens/s   speedup {r['speedup']:.2f}x at gamma {args.gamma}")
+        print(f"accepted     {r['accepted_per_step']:.2f} of {args.gamma} draft tokens per verification step "
+              f"({r['acceptance_rate']:.0%})" + (f"; greedy output equal to plain decoding's: {r['same_output']}"
+                                                 if args.temperature == 0 else ""))
+    print(f"({args.threads} threads, median of {args.repeat} interleaved rounds, each in a fresh process)")
+
+
+if __name__ == "__main__":
+    main()
