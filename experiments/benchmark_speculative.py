@@ -54,7 +54,8 @@ def plain(name: str, threads: int) -> dict:
     return {"model": name, "params": sum(p.numel() for p in model.parameters()), "tokens_per_s": LENGTH / seconds}
 
 
-def speculative(run: Path, gamma: int, length: int, primes: int, temperature: float, threads: int) -> dict:
+def speculative(run: Path, gamma: int, length: int, primes: int, temperature: float, threads: int,
+                dtype: str) -> dict:
     """Plain against speculative decoding with a trained pair, summed over `primes` excerpts."""
     import torch
     from hydra.utils import instantiate
@@ -64,6 +65,8 @@ def speculative(run: Path, gamma: int, length: int, primes: int, temperature: fl
 
     torch.set_num_threads(threads)
     target, draft, cfg = load_pair(run)
+    if dtype == "bf16":
+        target, draft = target.to(torch.bfloat16), draft.to(torch.bfloat16)
     data = instantiate(cfg.data)
     prime_length = int(cfg.task.get("prime_length", PRIME))
     generate(target, data.prime(prime_length)[None], 8, 0.0)  # warm-up
@@ -96,18 +99,20 @@ def median(rows: list[dict], key: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["ours", "ref"], choices=["ours", "ref"])
+    parser.add_argument("--models", nargs="*", default=["ours", "ref"], choices=["ours", "ref"],
+                        help="plain decoding at the seed's size (none: only --run's pair)")
     parser.add_argument("--run", type=Path, help="a speculative run: also time its pair, plain against speculative")
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--length", type=int, default=LENGTH)
     parser.add_argument("--primes", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the pair's decoding precision")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median round is shown")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one JSON row
     args = parser.parse_args()
     if args.one:
-        row = (speculative(args.run, args.gamma, args.length, args.primes, args.temperature, args.threads)
+        row = (speculative(args.run, args.gamma, args.length, args.primes, args.temperature, args.threads, args.dtype)
                if args.run else plain(args.models[0], args.threads))
         print(json.dumps(row))
         return
@@ -117,7 +122,8 @@ def main() -> None:
         jobs = [(name, ["--models", name]) for name in args.models if name not in failed]
         if args.run:
             jobs.append(("pair", ["--run", str(args.run), "--gamma", str(args.gamma), "--length", str(args.length),
-                                  "--primes", str(args.primes), "--temperature", str(args.temperature)]))
+                                  "--primes", str(args.primes), "--temperature", str(args.temperature),
+                                  "--dtype", args.dtype]))
         for name, extra in jobs:
             try:
                 rows.setdefault(name, []).append(child([*extra, "--threads", str(args.threads)]))
@@ -135,7 +141,7 @@ def main() -> None:
     if rows.get("pair"):
         r = median(rows["pair"], "speedup")
         print(f"\n{args.run}: target {r['target_params']:,} params, draft {r['draft_params']:,}; "
-              f"{args.primes} validation primes, {args.length} tokens each, temperature {args.temperature}")
+              f"{args.primes} validation primes, {args.length} tokens each, temperature {args.temperature}, {args.dtype}")
         print(f"plain        {r['plain_tokens_per_s']:>8.1f} tokens/s")
         print(f"speculative  {r['spec_tokens_per_s']:>8.1f} tokens/s   speedup {r['speedup']:.2f}x at gamma {args.gamma}")
         print(f"accepted     {r['accepted_per_step']:.2f} of {args.gamma} draft tokens per verification step "
