@@ -12,7 +12,12 @@ project: `pip install speculative-decoding==0.2.0`.
 --run: a speculative run's trained target and draft (python train.py experiment=speculative, or
 any size), plain against speculative decoding of --length tokens at --gamma from --primes
 excerpts of the run's validation text (the prime length the run used), with the acceptance at
-which the speedup was measured.
+which the speedup was measured. It also times the three calls a speculative round is made of
+(a one-token target step, the target's verification of gamma + 1 tokens, a one-token draft
+step) and prints the speedup they allow: a round yields accepted + 1 tokens for gamma draft steps
+and one verification (the rest of the loop, sampling and the prompt, costs a few percent), so
+
+    speedup ~ (accepted + 1) * step / (gamma * draft + verify)    at most (gamma + 1) * step / (...)
 
 Each measurement runs in a fresh process; rounds interleave them and the median round is shown.
 """
@@ -79,10 +84,34 @@ def speculative(run: Path, gamma: int, length: int, primes: int, temperature: fl
         spec_s += length / r["spec_tokens_per_s"]
         accepted += r["accepted_per_step"] / primes
         same &= r["same_output"]
-    return {"plain_tokens_per_s": primes * length / plain_s, "spec_tokens_per_s": primes * length / spec_s,
+    costs = call_costs(target, draft, data.prime(prime_length + length // 2), gamma)
+    return {**costs, "plain_tokens_per_s": primes * length / plain_s, "spec_tokens_per_s": primes * length / spec_s,
             "speedup": plain_s / spec_s, "accepted_per_step": accepted, "acceptance_rate": accepted / gamma,
             "same_output": same, "target_params": sum(p.numel() for p in target.parameters()),
             "draft_params": sum(p.numel() for p in draft.parameters())}
+
+
+def call_costs(target, draft, context, gamma: int, calls: int = 21) -> dict:
+    """Median milliseconds of a one-token target step, a verification of gamma + 1 tokens and a
+    one-token draft step after `context` [seq], interleaved as in decoding (the draft's weights
+    leave the cache while the target runs), so that the VM's drifts touch all three alike."""
+    import torch
+
+    from models.sampling import decoding_linears
+
+    kinds = {"step_ms": (target, 1), "verify_ms": (target, gamma + 1), "draft_ms": (draft, 1)}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    with torch.no_grad(), decoding_linears(target, draft):
+        caches = {model: model.new_cache() for model in (target, draft)}
+        for model, cache in caches.items():
+            model(context[None], cache=cache)
+        for _ in range(calls):
+            for kind, (model, tokens) in kinds.items():
+                t0 = time.perf_counter()
+                model(context[-tokens:][None], cache=caches[model])
+                times[kind].append(1e3 * (time.perf_counter() - t0))
+                model.truncate_cache(caches[model], len(context))
+    return {kind: sorted(ms)[calls // 2] for kind, ms in times.items()}
 
 
 def child(args: list[str]) -> dict:
@@ -147,6 +176,11 @@ def main() -> None:
         print(f"accepted     {r['accepted_per_step']:.2f} of {args.gamma} draft tokens per verification step "
               f"({r['acceptance_rate']:.0%})" + (f"; greedy output equal to plain decoding's: {r['same_output']}"
                                                  if args.temperature == 0 else ""))
+        round_ms = args.gamma * r["draft_ms"] + r["verify_ms"]
+        print(f"calls        target step {r['step_ms']:.2f} ms, verification of {args.gamma + 1} tokens "
+              f"{r['verify_ms']:.2f} ms ({r['verify_ms'] / r['step_ms']:.2f} steps), draft step {r['draft_ms']:.2f} ms")
+        print(f"             so {(r['accepted_per_step'] + 1) * r['step_ms'] / round_ms:.2f}x at this acceptance, "
+              f"{(args.gamma + 1) * r['step_ms'] / round_ms:.2f}x if every draft token were accepted")
     print(f"({args.threads} threads, median of {args.repeat} interleaved rounds, each in a fresh process)")
 
 
