@@ -82,7 +82,9 @@ def _sliced_linear(linear: nn.Linear, threads: int):
         if rows <= _VECTOR_ROWS:
             # x^T [slices, in, rows] as a transposed view: MKL's fast path (a copy with unit last stride is not)
             columns = x.reshape(rows, -1).t().expand(len(vector_slices), -1, -1)
-            out = torch.bmm(vector_slices, columns).permute(2, 0, 1)  # [rows, slices, out / slices]
+            # [rows, slices, out / slices], made row-major: a column-major output sends the next
+            # linear down MKL's slow path and attention down sdpa's math path
+            out = torch.bmm(vector_slices, columns).permute(2, 0, 1).contiguous()
         else:
             flat = x.reshape(1, rows, -1).expand(threads, -1, -1)  # [threads, rows, in]
             out = torch.bmm(flat, matrix_slices).transpose(0, 1)  # [rows, threads, out / threads]

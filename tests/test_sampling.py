@@ -31,6 +31,7 @@ def test_sliced_linear_equals_the_plain_product(shape, bias):
             out = linear(x)
     assert "forward" not in vars(linear)  # nn.Linear.forward again after it
     assert out.shape == expected.shape
+    assert out.is_contiguous()  # row-major like nn.Linear's: the next products and sdpa keep their fast paths
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
