@@ -110,6 +110,7 @@ class NSAConfig(TransformerConfig):
     fine_block_size: int = 16
     num_fine_selected: int = 4
     compress_hidden_mult: float = 1.0  # hidden width of the compression MLP, in dim_head units
+    diff_topk: bool = False  # selection passes gradient to the compressed keys (straight-through)
     kernel: Kernel = Kernel.auto
 
 

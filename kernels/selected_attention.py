@@ -11,6 +11,7 @@ eight times cheaper on a CPU than one streamed through DRAM.
 """
 
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ _BACKWARD_CHUNK = 1 << 19
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int,
-                       block: int, kernel: str = "torch") -> tuple[Tensor, Tensor]:
+                       block: int, kernel: str = "torch", weights: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of each query over its selected blocks of keys, causal within the blocks.
 
     q        [batch_kv, seq_q, group, dim_head]  queries of one GQA group (batch * kv_heads first)
@@ -31,6 +32,9 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
     valid    [batch_kv, seq_q, num_selected]     False where a selection slot is unused
     start    position of the first query (seq_k - seq_q when decoding, 0 in training)
     block    fine block size
+    weights  [batch_kv, seq_q, num_selected] or None: slot s's share of the output is multiplied by
+             weights[..., s] (the probabilities stay those of one softmax over all slots); NSA's
+             differentiable selection passes straight-through factors, 1 in value
     returns  out [batch_kv, seq_q, group, dim_head] and its log-sum-exp [batch_kv, seq_q, group],
              so that partial attentions over disjoint key sets can be merged exactly
 
@@ -45,8 +49,8 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
     if kernel == "triton":
         from kernels.selected_attention_triton import TritonSelectedAttention
 
-        return TritonSelectedAttention.apply(q, k, v, indices, valid, start, block)
-    return _SelectedAttention.apply(q, k, v, indices, valid, start, block)
+        return TritonSelectedAttention.apply(q, k, v, indices, valid, start, block, weights)
+    return _SelectedAttention.apply(q, k, v, indices, valid, start, block, weights)
 
 
 def triton_interpreting() -> bool:
@@ -91,6 +95,10 @@ class _Rows:
         """[chunk, selected * block, dim]: the chunk's selected keys (or values)."""
         return F.embedding(self.indices[rows], table).view(-1, self.key_pos.shape[-1], self.dim)
 
+    def slot_weights(self, weights: Tensor) -> Tensor:
+        """[rows, 1, selected * block]: each slot's weight repeated over its keys."""
+        return _accumulate(weights).reshape(self.indices.shape[0], -1).repeat_interleave(self.block, -1)[:, None]
+
     def allowed(self, rows: slice) -> Tensor:
         """[chunk, 1, selected * block]: valid slots, keys at or before the query position."""
         return ((self.key_pos[rows] <= self.positions[rows, None]) & self.valid[rows])[:, None]
@@ -108,10 +116,11 @@ def _accumulate(x: Tensor) -> Tensor:
 
 class _SelectedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, indices, valid, start, block):
+    def forward(ctx, q, k, v, indices, valid, start, block, weights):
         bh, m, g, d = q.shape
         scale = d**-0.5
         rows = _Rows(q, indices, valid, start, block, k.shape[1], _FORWARD_CHUNK)
+        slot_weights = None if weights is None else rows.slot_weights(weights)
         k_table, v_table = _block_table(k, block), _block_table(v, block)
         qf = q.reshape(bh * m, g, d)
         out = torch.empty_like(qf)
@@ -120,18 +129,22 @@ class _SelectedAttention(torch.autograd.Function):
             scores = _accumulate(torch.bmm(qf[r], rows.gather(k_table, r).transpose(1, 2))) * scale
             scores = scores.masked_fill(~rows.allowed(r), float("-inf"))
             lse[r] = scores.logsumexp(-1)
-            probs = (scores - _finite(lse[r])[..., None]).exp().to(q.dtype)
-            out[r] = torch.bmm(probs, rows.gather(v_table, r))
-        ctx.save_for_backward(q, k, v, indices, valid, out, lse)
+            probs = (scores - _finite(lse[r])[..., None]).exp()
+            if slot_weights is not None:
+                probs = probs * slot_weights[r]
+            out[r] = torch.bmm(probs.to(q.dtype), rows.gather(v_table, r))
+        ctx.save_for_backward(q, k, v, indices, valid, out, lse, weights)
         ctx.start, ctx.block = start, block
         return out.view(bh, m, g, d), lse.view(bh, m, g)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, indices, valid, out, lse = ctx.saved_tensors
+        q, k, v, indices, valid, out, lse, weights = ctx.saved_tensors
         bh, m, g, d = q.shape
         scale = d**-0.5
         rows = _Rows(q, indices, valid, ctx.start, ctx.block, k.shape[1], _BACKWARD_CHUNK)
+        slot_weights = None if weights is None else rows.slot_weights(weights)
+        dweights = None if weights is None else _accumulate(torch.zeros_like(weights)).view(bh * m, -1)
         k_table, v_table = _block_table(k, ctx.block), _block_table(v, ctx.block)
         dk_table, dv_table = torch.zeros_like(k_table), torch.zeros_like(v_table)
         qf, dof = q.reshape(bh * m, g, d), dout.reshape(bh * m, g, d)
@@ -145,14 +158,20 @@ class _SelectedAttention(torch.autograd.Function):
             scores = _accumulate(torch.bmm(qf[r], kg.transpose(1, 2))) * scale
             probs = (scores - _finite(lse[r])[..., None]).exp().masked_fill(~rows.allowed(r), 0.0)
             dprobs = _accumulate(torch.bmm(dof[r], vg.transpose(1, 2)))
+            weighted = probs
+            if slot_weights is not None:  # out = sum_s w_s P_s V_s: w_s gets sum(P_s * dP_s)
+                dweights[r] = (probs * dprobs).sum(1).view(probs.shape[0], -1, ctx.block).sum(-1)
+                weighted, dprobs = probs * slot_weights[r], dprobs * slot_weights[r]
             dscores = (probs * (dprobs - delta[r, :, None]) * scale).to(q.dtype)
             dq[r] = torch.bmm(dscores, kg)
             flat = rows.indices[r].flatten()
             dkg = torch.bmm(dscores.transpose(1, 2), qf[r])
-            dvg = torch.bmm(probs.to(q.dtype).transpose(1, 2), dof[r])
+            dvg = torch.bmm(weighted.to(q.dtype).transpose(1, 2), dof[r])
             dk_table.index_add_(0, flat, dkg.view(flat.shape[0], -1))
             dv_table.index_add_(0, flat, dvg.view(flat.shape[0], -1))
         n = k.shape[1]
         dk = dk_table.view(bh, -1, d)[:, :n]
         dv = dv_table.view(bh, -1, d)[:, :n]
-        return dq.view(bh, m, g, d), dk, dv, None, None, None, None
+        if dweights is not None:
+            dweights = dweights.view_as(weights).to(weights.dtype)
+        return dq.view(bh, m, g, d), dk, dv, None, None, None, None, dweights

@@ -7,6 +7,8 @@ each key/value block fetched once for the whole group. Online softmax (running m
 log-sum-exp is saved for the backward pass. The backward program recomputes the probabilities
 from it and writes dq directly, while dk and dv, which several positions share, are accumulated
 in fp32 with atomic adds (no races; the order of additions, and so the last bits, may vary).
+Optional per-slot weights scale each slot's share of the output (NSA's differentiable selection);
+their gradient is written per (position, slot).
 
 Inner products are tensor-core tiles (tl.dot, fp32 accumulation, IEEE precision for fp32 inputs)
 when the block and dim_head are at least 16, the group padded to 16 rows; smaller shapes use a
@@ -71,8 +73,9 @@ def _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected,
 
 
 @triton.jit
-def _forward(Q, K, V, IDX, VALID, OUT, LSE, start, seq_k, num_selected, scale,
-             G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr):
+def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale,
+             G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
+             WEIGHTED: tl.constexpr):
     row = tl.program_id(0)  # query position within the sequence
     bh = tl.program_id(1)
     seq_q = tl.num_programs(0)
@@ -95,6 +98,8 @@ def _forward(Q, K, V, IDX, VALID, OUT, LSE, start, seq_k, num_selected, scale,
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
+        if WEIGHTED:  # the slot's share of the output, not of the normaliser
+            p = p * tl.load(W + (bh * seq_q + row) * num_selected + s).to(tl.float32)
         acc = acc * alpha[:, None] + _pv(p, v, USE_DOT)
         m = m_new
     has_keys = l > 0
@@ -106,8 +111,9 @@ def _forward(Q, K, V, IDX, VALID, OUT, LSE, start, seq_k, num_selected, scale,
 
 
 @triton.jit
-def _backward(Q, K, V, IDX, VALID, DOUT, LSE, DELTA, DQ, DK, DV, start, seq_k, num_selected, scale,
-              G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr):
+def _backward(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DK, DV, DW, start, seq_k, num_selected, scale,
+              G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
+              WEIGHTED: tl.constexpr):
     row = tl.program_id(0)
     bh = tl.program_id(1)
     seq_q = tl.num_programs(0)
@@ -129,51 +135,63 @@ def _backward(Q, K, V, IDX, VALID, DOUT, LSE, DELTA, DQ, DK, DV, start, seq_k, n
         scores = _qk(q, k, USE_DOT) * scale
         p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [GP, BLOCK]
         dp = _qk(do, v, USE_DOT)
+        pw = p
+        if WEIGHTED:  # out = sum_s w_s P_s V_s: w_s gets sum(P_s * dP_s)
+            slot = (bh * seq_q + row) * num_selected + s
+            w = tl.load(W + slot).to(tl.float32)
+            tl.store(DW + slot, tl.sum(tl.sum(p * dp, axis=1), axis=0))
+            pw, dp = p * w, dp * w
         ds = p * (dp - delta[:, None]) * scale
         dq += _pv(ds, k, USE_DOT)
         dk = _pv(tl.trans(ds), q, USE_DOT)  # [BLOCK, D]
-        dv = _pv(tl.trans(p), do, USE_DOT)
+        dv = _pv(tl.trans(pw), do, USE_DOT)
         tl.atomic_add(DK + kv_off, dk, mask=key_ok[:, None])
         tl.atomic_add(DV + kv_off, dv, mask=key_ok[:, None])
     tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=g_ok[:, None])
 
 
-def _launch_args(q: Tensor, k: Tensor, indices: Tensor, start: int, block: int):
+def _launch_args(q: Tensor, k: Tensor, indices: Tensor, start: int, block: int, weights):
     bh, m, group, dim = q.shape
     # tensor-core tiles need every side >= 16: the group is padded up to 16 rows when they are used.
     # Triton's interpreter computes bf16 tl.dot wrongly (no bf16 in numpy): there bf16 uses the sums
     use_dot = block >= 16 and dim >= 16 and not (triton_interpreting() and q.dtype == torch.bfloat16)
     padded = triton.next_power_of_2(group)
     meta = dict(G=group, D=dim, BLOCK=block, GP=max(16 if use_dot else 2, padded), USE_DOT=use_dot)
+    meta["WEIGHTED"] = weights is not None
     return (m, bh), (start, k.shape[1], indices.shape[-1], dim**-0.5), meta
 
 
 class TritonSelectedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, indices, valid, start, block):
+    def forward(ctx, q, k, v, indices, valid, start, block, weights=None):
         check_supported(q, block)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         indices, valid = indices.contiguous(), valid.to(torch.int8).contiguous()
+        w = valid if weights is None else weights.float().contiguous()  # a placeholder pointer when unweighted
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        grid, scalars, meta = _launch_args(q, k, indices, start, block)
+        grid, scalars, meta = _launch_args(q, k, indices, start, block, weights)
         if q.shape[1]:
-            _forward[grid](q, k, v, indices, valid, out, lse, *scalars, **meta)
-        ctx.save_for_backward(q, k, v, indices, valid, out, lse)
+            _forward[grid](q, k, v, indices, valid, w, out, lse, *scalars, **meta)
+        ctx.save_for_backward(q, k, v, indices, valid, out, lse, weights)
         ctx.start, ctx.block = start, block
         return out, lse.to(q.dtype) if q.dtype == torch.float64 else lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, indices, valid, out, lse = ctx.saved_tensors
+        q, k, v, indices, valid, out, lse, weights = ctx.saved_tensors
         dout = dout.contiguous()
+        w = valid if weights is None else weights.float().contiguous()
+        dw = torch.zeros(indices.shape, device=q.device, dtype=torch.float32)
         delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), minus the lse's own gradient
         if dlse is not None:
             delta = delta - dlse.float()
         dq = torch.empty_like(q)
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-        grid, scalars, meta = _launch_args(q, k, indices, ctx.start, ctx.block)
+        grid, scalars, meta = _launch_args(q, k, indices, ctx.start, ctx.block, weights)
         if q.shape[1]:
-            _backward[grid](q, k, v, indices, valid, dout, lse, delta.contiguous(), dq, dk, dv, *scalars, **meta)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+            _backward[grid](q, k, v, indices, valid, w, dout, lse, delta.contiguous(), dq, dk, dv, dw, *scalars,
+                            **meta)
+        dweights = None if weights is None else dw.to(weights.dtype)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dweights

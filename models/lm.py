@@ -31,6 +31,7 @@ def nsa_lm(
     fine_block_size: int,
     num_fine_selected: int,
     compress_hidden_mult: float = 1.0,
+    diff_topk: bool = False,
     kernel="auto",
     attn_dropout: float = 0.0,
     **backbone,
@@ -47,6 +48,7 @@ def nsa_lm(
         fine_block_size=fine_block_size,
         num_fine_selected=num_fine_selected,
         compress_hidden_mult=compress_hidden_mult,
+        diff_topk=diff_topk,
         dropout=attn_dropout,
         kernel=getattr(kernel, "value", kernel),
     )

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.compressed_attention import compressed_attention
 from models.attention.nsa import NativeSparseAttention
 from models.lm import nsa_lm
 
@@ -54,9 +55,10 @@ def test_all_blocks_selected_equals_dense_causal_attention(n):
                                  compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=16)
     q = torch.randn(2, 2, 2, n, d)  # [batch, kv_heads, group, seq, dim_head]
     k, v = torch.randn(2, 2, n, d), torch.randn(2, 2, n, d)
-    importance = torch.rand(2, 2, n, -(-n // 4))  # [batch, kv_heads, seq, fine blocks]
+    importance = torch.rand(4, n, -(-n // 4))  # [batch * kv_heads, seq, fine blocks]
+    scores, indices = (t.view(2, 2, n, -1) for t in attn._choose(importance, 0, 13))
     dense = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], is_causal=True)
-    torch.testing.assert_close(attn._selected(q, k, v, importance, 0), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn._selected(q, k, v, scores, indices, 0), dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(attn._window(q, k, v, 0), dense, rtol=1e-5, atol=1e-5)
 
 
@@ -68,15 +70,16 @@ def test_selected_branch_equals_masked_attention_over_the_chosen_blocks(selected
     attn = NativeSparseAttention(dim=16, heads=2, dim_head=d, kv_heads=1, sliding_window_size=4,
                                  compress_block_size=4, compress_stride=2, fine_block_size=l, num_fine_selected=selected)
     q, k, v = torch.randn(1, 1, 2, n, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
-    importance = torch.rand(1, 1, n, -(-n // l))
+    importance = torch.rand(1, n, -(-n // l))
     positions = torch.arange(n)
-    allowed = attn._forced_mask(positions, positions)
-    indices, valid = attn._select(importance, 0)
+    allowed = attn._forced_visible(positions[:, None], positions[None])
+    scores, indices = attn._choose(importance, 0, max(0, selected - 3))
+    valid = scores > float("-inf")
     for s_ in range(indices.shape[-1]):
-        allowed |= ((positions[None] // l) == indices[0, 0, :, s_, None]) & valid[0, 0, :, s_, None]
+        allowed |= ((positions[None] // l) == indices[0, :, s_, None]) & valid[0, :, s_, None]
     allowed &= positions[None] <= positions[:, None]
     expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=allowed)
-    torch.testing.assert_close(attn._selected(q, k, v, importance, 0), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn._selected(q, k, v, scores[None], indices[None], 0), expected, rtol=1e-5, atol=1e-5)
     blocks_per_query = F.pad(allowed, (0, (-n) % l)).view(n, -1, l).any(-1).sum(-1)
     assert (blocks_per_query <= selected).all()
     assert (blocks_per_query[-1] == min(selected, -(-n // l)))
@@ -93,42 +96,20 @@ def test_window_sees_exactly_the_last_w_tokens():
     torch.testing.assert_close(attn._window(q, k, v, 0), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_compressed_branch_sees_only_complete_blocks_and_never_nans():
-    attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, **{**KNOBS, "kv_heads": 1})
-    n = 12
-    q = torch.randn(1, 1, 2, n, 8, requires_grad=True)
-    kc = torch.randn(1, 1, attn.compress_k.num_blocks(n), 8, requires_grad=True)
-    vc = torch.randn(1, 1, attn.compress_k.num_blocks(n), 8, requires_grad=True)
-    out = attn._compressed(q, kc, vc, 0)
-    # compressed block i covers tokens [2i, 2i + 3]: query t sees the blocks with 2i + 3 <= t
-    assert torch.equal(out[..., :3, :], torch.zeros_like(out[..., :3, :]))  # no complete block yet
-    visible = (torch.arange(kc.shape[2]) * 2 + 3)[None] <= torch.arange(n)[:, None]
-    expected = F.scaled_dot_product_attention(q[..., 3:, :], kc[:, :, None], vc[:, :, None], attn_mask=visible[3:])
-    torch.testing.assert_close(out[..., 3:, :], expected)
-    out.sum().backward()
-    assert all(torch.isfinite(t.grad).all() for t in (q, kc, vc))
-    # importance on fine blocks of 4 tokens: at t=3 only block 0 (tokens 0-3) is complete; at t=6,
-    # compressed blocks 0 and 1 (tokens 2-5) spread over fine blocks 0 and 1, nothing beyond
-    importance = attn._importance(q, kc, 0, n)
-    assert importance.shape == (1, 1, n, 3) and (importance[0, 0, :3] == 0).all()
-    assert importance[0, 0, 3, 0] > 0 and (importance[0, 0, 3, 1:] == 0).all()
-    assert (importance[0, 0, 6, :2] > 0).all() and importance[0, 0, 6, 2] == 0
-    torch.testing.assert_close(importance.sum(-1)[0, 0, 3:], torch.full((n - 3,), 2.0))  # 2 heads' mass
-
-
 def test_selection_forces_own_initial_and_previous_blocks():
     attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=4,
                                  compress_block_size=4, compress_stride=4, fine_block_size=4, num_fine_selected=4)
     n = 40
-    importance = torch.zeros(1, 1, n, n // 4)
+    importance = torch.zeros(1, n, n // 4)
     importance[..., 5] = 1.0  # fine block 5 is the most important wherever it is visible
-    indices, valid = attn._select(importance, 0)
+    scores, indices = attn._choose(importance, 0, 1)
+    valid = scores > float("-inf")
     positions = torch.arange(n)
-    forced = attn._forced_mask(positions, torch.arange(0, n, 4))  # [query, block]
+    forced = attn._forced_visible(positions[:, None], torch.arange(0, n, 4)[None])  # [query, block]
     for t in (0, 5, 13, 27, 39):
         own = t // 4
         assert set(forced[t].nonzero().flatten().tolist()) == {own, 0, max(own - 1, 0)}
-        free = set(indices[0, 0, t][valid[0, 0, t]].tolist())
+        free = set(indices[0, t][valid[0, t]].tolist())
         assert not free & {own, 0, own - 1}, "a forced block was chosen twice"
         assert all(b <= own for b in free), "a future block was selected"
         assert (5 in free) == (own > 6)
@@ -164,3 +145,42 @@ def test_lengths_not_multiples_of_blocks_give_finite_gradients(n):
 def test_invalid_knobs_say_how_to_fix_them(bad, message):
     with pytest.raises(ValueError, match=message):
         tiny_nsa(**bad)
+
+
+def _selected_branch(attn, diff_topk):
+    """The selected branch of one layer from fixed inputs, with selection differentiable or not:
+    -> (output, compressed keys)"""
+    gen = torch.Generator().manual_seed(0)
+    n, d = 40, 8
+    q = torch.randn(1, 1, 2, n, d, generator=gen)
+    k, v = torch.randn(1, 1, n, d, generator=gen), torch.randn(1, 1, n, d, generator=gen)
+    kc = torch.randn(1, 1, attn.compress_k.num_blocks(n), d, generator=gen, requires_grad=True)
+    _, scores, indices = compressed_attention(q.flatten(0, 1), kc.flatten(0, 1), kc.detach().flatten(0, 1), 0, 4, 2, 4,
+                                              lambda imp, first: attn._choose(imp, first, 2), importance_grad=diff_topk)
+    return attn._selected(q, k, v, scores[None], indices[None], 0), kc
+
+
+def test_diff_topk_passes_gradient_to_the_compressed_keys_through_selection():
+    """With differentiable selection the free blocks' shares of the output carry the importance's
+    gradient to the compressed keys (the value is unchanged); without it they carry none."""
+    attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=4,
+                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=5)
+    plain, kc_plain = _selected_branch(attn, diff_topk=False)
+    differentiable, kc = _selected_branch(attn, diff_topk=True)
+    torch.testing.assert_close(differentiable, plain, rtol=0, atol=0)
+    assert not plain.requires_grad  # nothing reaches the compressed keys without diff_topk
+    (grad,) = torch.autograd.grad(differentiable.square().sum(), kc)
+    assert grad.abs().max() > 0
+
+
+def test_diff_topk_model_trains_the_compressor_through_selection():
+    """In a whole model, diff_topk leaves the logits as they are and changes the compressor's gradient."""
+    grads = []
+    for diff_topk in (False, True):
+        model = tiny_nsa(diff_topk=diff_topk, num_fine_selected=5).train()  # two freely chosen blocks
+        x = torch.randint(0, 64, (2, 33))
+        logits = model(x)
+        F.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
+        grads.append((logits.detach(), model.blocks[0].attn.compress_k.w1.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0])  # the same up to rounding: another summation order
+    assert not torch.allclose(grads[0][1], grads[1][1])

@@ -7,18 +7,24 @@ import torch
 from kernels.selected_attention import selected_attention
 
 
-def naive(q, k, v, indices, valid, start, block):
-    """Dense attention over all keys, masked to the selected blocks and the causal past."""
+def naive(q, k, v, indices, valid, start, block, weights=None):
+    """Dense attention over all keys, masked to the selected blocks and the causal past; with
+    weights, each key's probability is scaled by its slot's weight before the values."""
     n = k.shape[1]
     key_block = torch.arange(n) // block
     allowed = torch.zeros(q.shape[0], q.shape[1], n, dtype=torch.bool)
+    scale = torch.zeros(q.shape[0], q.shape[1], n, dtype=q.dtype)
     for s in range(indices.shape[-1]):
-        allowed |= (key_block == indices[..., s : s + 1]) & valid[..., s : s + 1]
+        in_slot = (key_block == indices[..., s : s + 1]) & valid[..., s : s + 1]
+        allowed |= in_slot
+        if weights is not None:
+            scale = scale + in_slot * weights[..., s : s + 1]
     positions = start + torch.arange(q.shape[1])
     allowed &= torch.arange(n)[None, None] <= positions[None, :, None]
     scores = torch.einsum("bmgd,bkd->bmgk", q, k) * q.shape[-1] ** -0.5
     scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
-    return torch.einsum("bmgk,bkd->bmgd", scores.softmax(-1), v), scores.logsumexp(-1)
+    probs = scores.softmax(-1) if weights is None else scores.softmax(-1) * scale[:, :, None]
+    return torch.einsum("bmgk,bkd->bmgd", probs, v), scores.logsumexp(-1)
 
 
 def random_selection(bh, m, start, n, block, selected, gen):
@@ -93,3 +99,24 @@ def test_query_with_no_visible_key_gets_zeros_and_finite_gradients():
     assert torch.isfinite(out).all() and torch.isfinite(lse[0, 3:]).all()
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_slot_weights_scale_each_slots_share_and_get_their_gradient():
+    """out = sum_s w_s P_s V_s with one softmax over all slots: values and every gradient, the
+    weights' included (NSA's differentiable selection passes straight-through weights)."""
+    gen = torch.Generator().manual_seed(2)
+    bh, m, g, d, block, selected = 2, 23, 2, 8, 4, 3
+    q = torch.randn(bh, m, g, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(bh, m, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(bh, m, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    weights = torch.rand(bh, m, selected, dtype=torch.float64, generator=gen).add(0.5).requires_grad_()
+    indices, valid = random_selection(bh, m, 0, m, block, selected, gen)
+    out, lse = selected_attention(q, k, v, indices, valid, 0, block, weights=weights)
+    ref, ref_lse = naive(q, k, v, indices, valid, 0, block, weights)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    grad, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    leaves = (q, k, v, weights)
+    ours = torch.autograd.grad((out * grad).sum() + (lse * grad_lse).sum(), leaves)
+    theirs = torch.autograd.grad((ref * grad).sum() + (ref_lse * grad_lse).sum(), leaves)
+    for a, b, name in zip(ours, theirs, ("q", "k", "v", "weights")):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"d{name} differs")

@@ -48,6 +48,23 @@ def test_kernel_matches_the_reference(bh, m, n, g, d, block, selected, dtype):
         torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), rtol=tol, atol=tol, msg=f"{name} differs")
 
 
+@pytest.mark.parametrize("d,block", [(32, 4), (32, 16)], ids=["sums", "tiles"])
+def test_kernel_matches_the_reference_with_slot_weights(d, block):
+    gen = torch.Generator().manual_seed(3)
+    bh, m, g, selected = 2, 21, 2, 3
+    q, k, v = torch.randn(bh, m, g, d, generator=gen), torch.randn(bh, m, d, generator=gen), torch.randn(bh, m, d, generator=gen)
+    weights = torch.rand(bh, m, selected, generator=gen) + 0.5
+    indices, valid = random_selection(bh, m, 0, m, block, selected, gen)
+    results = []
+    for kernel in ("torch", "triton"):
+        leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, weights)]
+        out, lse = selected_attention(*leaves[:3], indices.to(DEVICE), valid.to(DEVICE), 0, block, kernel, leaves[3])
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        results.append([out, lse, *torch.autograd.grad((out * grad_out).sum() + lse.sum(), leaves)])
+    for name, ref, ours in zip(("out", "lse", "dq", "dk", "dv", "dweights"), *results):
+        torch.testing.assert_close(ours.cpu(), ref.cpu(), rtol=2e-5, atol=2e-5, msg=f"{name} differs")
+
+
 def test_unsupported_shapes_fail_with_the_constraint():
     q = torch.randn(1, 4, 2, 48)  # dim_head 48 is not a power of two
     k = v = torch.randn(1, 4, 48)
@@ -56,11 +73,13 @@ def test_unsupported_shapes_fail_with_the_constraint():
         selected_attention(q, k, v, indices, torch.ones_like(indices, dtype=torch.bool), 0, 4, "triton")
 
 
-def test_nsa_model_gives_the_same_logits_and_gradients_with_either_kernel():
+@pytest.mark.parametrize("diff_topk", [False, True])
+def test_nsa_model_gives_the_same_logits_and_gradients_with_either_kernel(diff_topk):
     from models.lm import nsa_lm
 
     knobs = dict(num_tokens=64, dim=32, depth=1, heads=4, dim_head=32, kv_heads=2, sliding_window_size=4,
-                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=5)
+                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=5,
+                 diff_topk=diff_topk)
     models = {}
     for kernel in ("torch", "triton"):
         torch.manual_seed(0)

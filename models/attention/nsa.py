@@ -8,17 +8,25 @@ l' = fine_block_size, n = num_fine_selected, w = sliding_window_size.
   MLP over the block plus a learned intra-block position embedding. A block is visible to query t
   only once it is complete (its last token <= t); a query that sees no block gets zeros, not NaN.
 - selected: block importance is the compressed-attention probability summed over the query heads
-  of a GQA group and spread onto the fine blocks by token overlap; each position keeps its top n
-  fine blocks, always including its own block, the initial block and the previous block (in that
-  order of priority). Keys after t inside its own block are masked. As in the paper, the choice
-  of blocks passes no gradient.
+  of a GQA group and spread onto the fine blocks by token overlap (computed in the same pass as
+  the compressed branch, kernels/compressed_attention.py); each position keeps its top n fine
+  blocks, always including its own block, the initial block and the previous block (in that order
+  of priority). Keys after t inside its own block are masked. As in the paper, the choice of
+  blocks passes no gradient, unless `diff_topk`: then each freely chosen block's share of the
+  output is weighted by its importance through a straight-through factor (1 in value), so the
+  compressed keys and the queries learn from what selection does with them.
 - sliding window: the last w keys, t included.
+
+Cost per query: n / d compressed keys, n selected blocks and w window keys; nothing else grows
+with the sequence. In training the forced blocks and the window run as tiled attention over
+[initial | previous | own] tiles (models/attention/tiled.py), the freely chosen blocks are gathered
+(kernels/selected_attention.py); every branch keeps O(n) memory for the backward pass. Decoding
+(queries after a cache) gathers each query's selected blocks directly: a step reads the
+compressed keys, n blocks and the window, never the whole cache.
 
 Each branch has its own keys and values (as the paper: no gradient shortcuts between branches);
 the query projection is shared. Rotary positions apply to the selected and window branches; the
 compressed branch gets its positions from the intra-block embedding and the causal block mask.
-All branches are written for queries starting at any position, so the cached (incremental) path
-runs the same code as training.
 """
 
 import math
@@ -29,10 +37,14 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from kernels.compressed_attention import compressed_attention
 from kernels.selected_attention import selected_attention, triton_runnable
+from models.attention import cache as kv_cache
+from models.attention.tiled import tiled_attention
 from models.rotary import Rotary
 
 BRANCHES = 3  # compressed, selected, window
+RAW = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")  # cached per-token keys and values
 
 
 class BlockCompressor(nn.Module):
@@ -75,6 +87,7 @@ class NativeSparseAttention(nn.Module):
         fine_block_size: int,
         num_fine_selected: int,
         compress_hidden_mult: float = 1.0,
+        diff_topk: bool = False,
         dropout: float = 0.0,
         kernel: str = "auto",
     ):
@@ -86,6 +99,7 @@ class NativeSparseAttention(nn.Module):
         self.window = sliding_window_size
         self.fine_block = fine_block_size
         self.num_selected = num_fine_selected
+        self.diff_topk = diff_topk
         self.dropout = dropout
         self.kernel = kernel
         self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
@@ -108,12 +122,18 @@ class NativeSparseAttention(nn.Module):
         k_slc, k_win = self.rotary(k_slc, start), self.rotary(k_win, start)
         if cache is not None:
             k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc = self._extend_cache(
-                cache, start, m, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
+                cache, start, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
         else:
             kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)
 
-        out_cmp = self._compressed(q, kc, vc, start)
-        out_slc = self._selected(q_rot, k_slc, v_slc, self._importance(q, kc, start, k_slc.shape[2]), start)
+        free = max(0, min(self.num_selected - self._num_forced(), -(-k_slc.shape[2] // self.fine_block)))
+        out_cmp, scores, indices = compressed_attention(
+            q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.compress_k.block,
+            self.compress_k.stride, self.fine_block, lambda importance, first: self._choose(importance, first, free),
+            importance_grad=self.diff_topk and torch.is_grad_enabled())
+        out_cmp = out_cmp.view_as(q)
+        scores, indices = scores.view(b, self.kv_heads, m, -1), indices.view(b, self.kv_heads, m, -1)
+        out_slc = self._selected(q_rot, k_slc, v_slc, scores, indices, start)
         out_win = self._window(q_rot, k_win, v_win, start)
 
         gates = torch.sigmoid(self.to_gates(x))  # [b, n, 3 * heads]
@@ -121,62 +141,37 @@ class NativeSparseAttention(nn.Module):
         out = gates[0] * out_cmp + gates[1] * out_slc + gates[2] * out_win
         return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
 
-    # ---- branches ------------------------------------------------------------------------------
+    # ---- selected branch -------------------------------------------------------------------------
 
-    def _compressed_visible(self, start: int, m: int, num_blocks: int, device) -> Tensor:
-        """[queries, compressed blocks]: a block is visible once its last token is in the past."""
-        positions = torch.arange(start, start + m, device=device)
-        block_end = torch.arange(num_blocks, device=device) * self.compress_k.stride + self.compress_k.block - 1
-        return block_end[None, :] <= positions[:, None]
+    def _selected(self, q: Tensor, k: Tensor, v: Tensor, scores: Tensor, indices: Tensor, start: int) -> Tensor:
+        """Attention over the forced and the freely chosen fine blocks -> [b, h, g, n, d]; the free
+        blocks' indices and scores [b, h, n, free] come from `_choose` (-inf: slot unused).
 
-    def _compressed(self, q: Tensor, kc: Tensor, vc: Tensor, start: int) -> Tensor:
-        """Attention over complete compressed blocks -> [b, h, g, n, d]. Queries before the first
-        complete block see nothing and get zeros; the rest go through fused attention."""
+        In training the forced blocks (own, initial, previous) are the same for every query of a
+        fine block, so they are attended tile by tile; only the freely chosen blocks are gathered
+        per query. The two partial attentions cover disjoint blocks and are merged exactly through
+        their log-sum-exps. After a cache, each query gathers all its blocks at once."""
         b, h, g, m, d = q.shape
-        first = min(m, max(0, self.compress_k.block - 1 - start))  # leading queries with no block
-        out = q.new_zeros(b, h, g, m, d)
-        if first < m:
-            visible = self._compressed_visible(start + first, m - first, kc.shape[2], q.device)
-            rows = q[:, :, :, first:].flatten(2, 3)  # the group joins the query axis: [b, h, g * n, d]
-            attended = F.scaled_dot_product_attention(rows, kc, vc, attn_mask=visible.repeat(g, 1))
-            out = torch.cat((out[:, :, :, :first], attended.view(b, h, g, m - first, d)), dim=3)
-        return out
-
-    @torch.no_grad()
-    def _importance(self, q: Tensor, kc: Tensor, start: int, seq_k: int) -> Tensor:
-        """Fine-block importance [b, h, n, fine blocks]: the compressed-attention probabilities,
-        summed over the query heads of a GQA group and spread onto fine blocks by token overlap.
-        Only ranks blocks (no gradient), so it is computed in chunks of queries without keeping
-        the [n, compressed blocks] probabilities."""
-        b, h, g, m, d = q.shape
-        num_fine = -(-seq_k // self.fine_block)
-        overlap = _overlap(kc.shape[2], num_fine, self.compress_k.block, self.compress_k.stride,
-                           self.fine_block, q.device, torch.float32)
-        scores = q.new_zeros(b, h, m, num_fine, dtype=torch.float32)
-        chunk = max(1, (1 << 22) // max(1, b * h * g * kc.shape[2]))
-        for c0 in range(0, m, chunk):
-            c1 = min(m, c0 + chunk)
-            visible = self._compressed_visible(start + c0, c1 - c0, kc.shape[2], q.device)
-            logits = torch.einsum("bhgnd,bhcd->bhgnc", q[:, :, :, c0:c1], kc).float() * d**-0.5
-            probs = logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num_(0.0)  # no block: 0
-            scores[:, :, c0:c1] = probs.sum(2) @ overlap
-        return scores
-
-    def _selected(self, q: Tensor, k: Tensor, v: Tensor, importance: Tensor, start: int) -> Tensor:
-        """Attention over the selected fine blocks -> [b, h, g, n, d].
-
-        The forced blocks (own, initial, previous) are the same for every query of a fine block, so
-        they are attended tile by tile from contiguous keys; only the freely chosen blocks are
-        gathered per query. The two partial attentions cover disjoint blocks and are merged exactly
-        through their log-sum-exps."""
-        b = q.shape[0]
-        out_forced, lse_forced = self._forced_blocks(q, k, v, start)
-        indices, valid = self._select(importance, start)
+        valid = scores > float("-inf")
+        weights = None
+        if scores.requires_grad:  # differentiable selection: 1 in value, the scores' gradient
+            chosen = scores.masked_fill(~valid, 0.0)
+            weights = 1.0 + (chosen - chosen.detach())
+        if start:
+            forced, forced_valid = self._forced_indices(start, m, q.device)
+            indices = torch.cat((forced.expand(b, h, m, -1), indices), dim=-1)
+            valid = torch.cat((forced_valid.expand(b, h, m, -1), valid), dim=-1)
+            return _gathered_attention(q, k, v, indices, valid, start, self.fine_block)
+        sink = self.fine_block if self._num_forced() >= 2 else 0
+        out_forced, lse_forced = tiled_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                                 self.fine_block, self._forced_visible, sink)
+        out_forced, lse_forced = out_forced.view_as(q), lse_forced.view(b, h, g, m)
         if indices.shape[-1] == 0:
             return out_forced
         out_free, lse_free = selected_attention(
             rearrange(q, "b h g n d -> (b h) n g d"), k.flatten(0, 1), v.flatten(0, 1),
             indices.flatten(0, 1), valid.flatten(0, 1), start, self.fine_block, self.kernel,
+            None if weights is None else weights.flatten(0, 1),
         )
         out_free = rearrange(out_free, "(b h) n g d -> b h g n d", b=b)
         lse_free = rearrange(lse_free, "(b h) n g -> b h g n", b=b)
@@ -187,134 +182,106 @@ class NativeSparseAttention(nn.Module):
     def _num_forced(self) -> int:
         return min(3, self.num_selected)
 
-    def _forced_mask(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
-        """[queries, keys]: key in the query's own block (at or before it), the initial block, or
-        the previous block, as many of these as num_fine_selected allows, in that priority."""
-        own = query_pos[:, None] // self.fine_block
-        key_block = (key_pos // self.fine_block)[None]
+    def _forced_visible(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
+        """Key in the query's own block (at or before it), the initial block, or the previous block,
+        as many of these as num_fine_selected allows, in that priority; broadcasts its arguments."""
+        own = query_pos // self.fine_block
+        key_block = key_pos // self.fine_block
         forced = key_block == own
         if self._num_forced() >= 2:
-            forced |= key_block == 0
+            forced = forced | (key_block == 0)
         if self._num_forced() >= 3:
-            forced |= key_block == own - 1
-        return forced & (key_pos[None] <= query_pos[:, None]) & (key_pos[None] >= 0)
+            forced = forced | (key_block == own - 1)
+        return forced & (key_pos <= query_pos) & (key_pos >= 0)
 
-    def _forced_blocks(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        """Attention over the forced blocks -> (out [b, h, g, n, d], log-sum-exp [b, h, g, n])."""
-        b, h, g, m, d = q.shape
-        l = self.fine_block
-        if start == 0 and m > l:  # training: one tile per fine block, keys [initial | previous | own]
-            pad = (-m) % l
-            qp, kp, vp = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-            nb = (m + pad) // l
-            qt = rearrange(qp, "b h g (c l) d -> b h c (g l) d", l=l)
-            kt, vt = (rearrange(t, "b h (c l) d -> b h c l d", l=l) for t in (kp, vp))
-            kt, vt = (torch.cat((t[:, :, :1].expand_as(t), F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :-1], t), dim=3)
-                      for t in (kt, vt))
-            tile = torch.arange(nb, device=q.device)
-            query_pos = tile[:, None] * l + torch.arange(l, device=q.device)  # [c, l]
-            key_pos = torch.cat((torch.arange(l, device=q.device)[None].expand(nb, l),
-                                 query_pos - l, query_pos), dim=1)  # [c, 3l]
-            mask = torch.stack([self._forced_mask(qp_, kp_) for qp_, kp_ in zip(query_pos, key_pos)])
-            # a block seen twice (the initial block is also the own or previous one early on) counts once
-            mask[:1, :, :l] = False  # tile 0: the initial block is the own block
-            mask[1:2, :, :l] = False  # tile 1: the initial block is the previous block
-            mask = mask.repeat(1, g, 1)  # [c, g * l, 3l]
-            out, lse = _masked_attention(qt, kt, vt, mask)
-            out = rearrange(out, "b h c (g l) d -> b h g (c l) d", g=g)[:, :, :, :m]
-            return out, rearrange(lse, "b h c (g l) -> b h g (c l)", g=g)[..., :m]
-        query_pos = torch.arange(start, start + m, device=q.device)
-        mask = self._forced_mask(query_pos, torch.arange(k.shape[2], device=q.device))
-        out, lse = _masked_attention(q.flatten(2, 3), k, v, mask.repeat(g, 1))
-        return out.view(b, h, g, m, d), lse.view(b, h, g, m)
+    def _forced_indices(self, start: int, m: int, device) -> tuple[Tensor, Tensor]:
+        """The forced blocks of the queries at start.. as block indices and validity [m, forced],
+        each block once."""
+        own = torch.arange(start, start + m, device=device) // self.fine_block
+        blocks = torch.stack((own, torch.zeros_like(own), own - 1), dim=-1)[:, : self._num_forced()]
+        valid = torch.ones_like(blocks, dtype=torch.bool)
+        if self._num_forced() >= 2:
+            valid[:, 1] = own != 0
+        if self._num_forced() >= 3:
+            valid[:, 2] = own - 1 > 0
+        return blocks.clamp(min=0), valid
 
-    def _select(self, importance: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        """The freely chosen fine blocks per (batch, kv head, position): the most important ones
-        (importance [b, h, n, fine blocks]) besides the forced blocks, never in the future.
-        -> indices, validity [b, h, n, free]"""
-        m, num_fine = importance.shape[2], importance.shape[3]
-        query_pos = torch.arange(start, start + m, device=importance.device)
+    def _choose(self, importance: Tensor, first: int, free: int) -> tuple[Tensor, Tensor]:
+        """The `free` most important fine blocks per (batch * kv head, position) besides the forced
+        blocks, never in the future: importance [bh, n, fine blocks] of positions first.. ->
+        scores, indices [bh, n, free] (score -inf: no block left for that slot)."""
+        m, num_fine = importance.shape[1], importance.shape[2]
+        query_pos = torch.arange(first, first + m, device=importance.device)[:, None]
         fine_start = torch.arange(num_fine, device=importance.device) * self.fine_block
-        taken = self._forced_mask(query_pos, fine_start) | (fine_start[None] > query_pos[:, None])
-        scores = importance.masked_fill(taken, float("-inf"))
-        free = max(0, min(self.num_selected - self._num_forced(), num_fine))
-        values, indices = scores.topk(free, dim=-1)
-        return indices, values > float("-inf")
+        taken = self._forced_visible(query_pos, fine_start) | (fine_start > query_pos)
+        scores, indices = importance.masked_fill(taken, float("-inf")).topk(min(free, num_fine), dim=-1)
+        short = free - scores.shape[-1]  # early chunks have fewer blocks than later ones
+        return F.pad(scores, (0, short), value=float("-inf")), F.pad(indices, (0, short))
+
+    # ---- sliding window --------------------------------------------------------------------------
+
+    def _window_visible(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
+        return (key_pos <= query_pos) & (key_pos > query_pos - self.window)
 
     def _window(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """Sliding-window attention: query t sees keys (t - w, t]. -> [b, h, g, n, d]"""
         b, h, g, m, d = q.shape
         w = self.window
         dropout = self.dropout if self.training else 0.0
-        if start == 0 and m > w:  # training: blocks of w queries see their block and the previous
+        if start == 0:  # training: tiles of w queries see their tile and the previous one, fused
             pad = (-m) % w
-            qp, kp, vp = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-            nb = (m + pad) // w
-            qb = rearrange(qp, "b h g (c w) d -> b h c (g w) d", w=w)
-            kb, vb = (rearrange(t, "b h (c w) d -> b h c w d", w=w) for t in (kp, vp))
-            kb, vb = (torch.cat((F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :-1], t), dim=3) for t in (kb, vb))
-            qpos = torch.arange(w, device=q.device) + w  # positions relative to the previous block
-            kpos = torch.arange(2 * w, device=q.device)
-            mask = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - w)  # [w, 2w]
-            first = mask.clone()
-            first[:, :w] = False  # block 0 has no previous block: its padding must stay unseen
-            mask = torch.stack([first] + [mask] * (nb - 1)).repeat(1, g, 1)  # [c, g * w, 2w]
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=dropout)
-            return rearrange(out, "b h c (g w) d -> b h g (c w) d", g=g)[:, :, :, :m]
-        lo = max(0, start - w + 1)  # decoding: the last w keys before the first query suffice
+            tiles = (m + pad) // w
+            qt = rearrange(F.pad(q, (0, 0, 0, pad)), "b h g (c w) d -> c (b h g) w d", w=w)
+            kt, vt = (rearrange(F.pad(t, (0, 0, 0, pad)), "b h (c w) d -> c (b h) w d", w=w) for t in (k, v))
+            kt, vt = (torch.cat((F.pad(t, (0, 0, 0, 0, 0, 0, 1, 0))[:-1], t), dim=2) for t in (kt, vt))
+            tile_start = torch.arange(tiles, device=q.device)[:, None, None] * w
+            query_pos = tile_start + torch.arange(w, device=q.device)[:, None]  # [c, w, 1]
+            key_pos = tile_start - w + torch.arange(2 * w, device=q.device)  # [c, 1, 2w]
+            mask = (self._window_visible(query_pos, key_pos) & (key_pos >= 0))[:, None]  # [c, 1, w, 2w]
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, dropout_p=dropout, enable_gqa=True)
+            return rearrange(out, "c (b h g) w d -> b h g (c w) d", b=b, h=h)[:, :, :, :m]
+        lo = max(0, start - self.window + 1)  # decoding: the last w keys before the first query suffice
         k, v = k[:, :, lo:], v[:, :, lo:]
-        qpos = torch.arange(start, start + m, device=q.device)
-        kpos = torch.arange(lo, lo + k.shape[2], device=q.device)
-        mask = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - w)
+        qpos = torch.arange(start, start + m, device=q.device)[:, None]
+        mask = self._window_visible(qpos, torch.arange(lo, lo + k.shape[2], device=q.device))
         out = F.scaled_dot_product_attention(q.flatten(2, 3), k, v, attn_mask=mask.repeat(g, 1), dropout_p=dropout)
         return out.view(b, h, g, m, d)
 
-    # ---- cache ---------------------------------------------------------------------------------
+    # ---- cache -----------------------------------------------------------------------------------
 
     def truncate_cache(self, cache: dict, length: int) -> None:
         """Roll back to the first `length` positions (compressed blocks completed after it go too)."""
-        if cache.get("pos", 0) > length:
-            _truncate(cache, length, self.compress_k.num_blocks(length))
+        kv_cache.truncate(cache, length)
+        if "compressed" in cache:
+            kv_cache.truncate(cache["compressed"], self.compress_k.num_blocks(length))
 
-    def _extend_cache(self, cache: dict, start: int, m: int, *new: Tensor):
-        """Append the new raw keys and values of every branch; compress blocks completed by them."""
-        names = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")
-        for name, t in zip(names, new):
-            cache[name] = torch.cat((cache[name], t), dim=2) if start else t
-        total = start + m
-        done = cache["kc"].shape[2] if start else 0
-        todo = self.compress_k.num_blocks(total) - done
-        kc_new = self.compress_k(cache["k_cmp"], first=done)[:, :, :todo]
-        vc_new = self.compress_v(cache["v_cmp"], first=done)[:, :, :todo]
-        cache["kc"] = torch.cat((cache["kc"], kc_new), dim=2) if start else kc_new
-        cache["vc"] = torch.cat((cache["vc"], vc_new), dim=2) if start else vc_new
-        cache["pos"] = total
-        return (*(cache[name] for name in names), cache["kc"], cache["vc"])
+    def _extend_cache(self, cache: dict, start: int, *new: Tensor):
+        """Append the new raw keys and values of every branch (growing buffers, each position
+        copied once); compress the blocks they complete."""
+        raw = kv_cache.append(cache, start, **dict(zip(RAW, new)))
+        blocks = cache.setdefault("compressed", {})
+        done = blocks.get("pos", 0)
+        todo = self.compress_k.num_blocks(cache["pos"]) - done
+        kc, vc = (compress(raw[i], first=done)[:, :, :todo] for i, compress in ((0, self.compress_k),
+                                                                                (1, self.compress_v)))
+        kc, vc = kv_cache.append(blocks, done, kc=kc, vc=vc)
+        return (*raw, kc, vc)
 
 
-def _truncate(cache: dict, length: int, blocks: int) -> None:
-    for name in ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"):
-        cache[name] = cache[name][:, :, :length]
-    cache["kc"], cache["vc"] = cache["kc"][:, :, :blocks], cache["vc"][:, :, :blocks]
-    cache["pos"] = length
+def _gathered_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int,
+                        block: int) -> Tensor:
+    """Each query over the keys of its own selected blocks, causal, gathered by index (decoding).
 
-
-def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax attention with a boolean mask, also returning the log-sum-exp; rows with no visible
-    key give zeros and -inf. q [..., nq, d], k, v [..., nk, d], mask [..., nq, nk]."""
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = scores.logsumexp(-1)
-    probs = (scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None]).exp()
-    return probs.to(q.dtype) @ v, lse
-
-
-def _overlap(num_cmp: int, num_fine: int, block: int, stride: int, fine_block: int, device, dtype) -> Tensor:
-    """[compressed blocks, fine blocks]: the fraction of compressed block i inside fine block j."""
-    c_start = torch.arange(num_cmp, device=device)[:, None] * stride
-    f_start = torch.arange(num_fine, device=device)[None, :] * fine_block
-    inter = (torch.minimum(c_start + block, f_start + fine_block) - torch.maximum(c_start, f_start)).clamp(min=0)
-    return (inter / block).to(dtype)
+    q [b, h, g, m, d]; k, v [b, h, seq, d]; indices, valid [b, h, m, blocks] -> [b, h, g, m, d]"""
+    b, h, g, m, d = q.shape
+    key_pos = (indices[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)  # [b, h, m, keys]
+    allowed = (valid.repeat_interleave(block, dim=-1) & (key_pos < start + torch.arange(m, device=q.device)[:, None] + 1))
+    safe = key_pos.clamp(max=k.shape[2] - 1)
+    heads = (torch.arange(b, device=q.device)[:, None, None, None], torch.arange(h, device=q.device)[None, :, None, None])
+    keys, values = k[heads + (safe,)], v[heads + (safe,)]  # [b, h, m, keys, d]
+    scores = torch.einsum("bhgmd,bhmkd->bhgmk", q, keys).float() * d**-0.5
+    probs = scores.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1)
+    return torch.einsum("bhgmk,bhmkd->bhgmd", probs.to(q.dtype), values)
 
 
 def _check(heads, kv_heads, window, block, stride, fine_block, num_selected, kernel) -> None:

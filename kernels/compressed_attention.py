@@ -1,0 +1,208 @@
+"""NSA's compressed-branch attention and the fine-block selection it implies, in one pass.
+
+Query t attends to the compressed blocks complete by t (block i covers tokens
+[i * stride, i * stride + block)), all query heads of a GQA group together. The same probabilities,
+summed over the group's heads and spread onto fine blocks by token overlap, are the importance
+that ranks fine blocks for selection: the paper computes them once and reuses them, and so does
+this function. The importance of a chunk of queries is handed to the caller's `choose` as soon as
+it exists, so the [n, n / fine_block] importance of a whole sequence is never held.
+
+From position 0 (training, a prompt) the attention itself is fused flash attention: grouping
+the queries by their offset inside a stride makes the block mask exactly causal over a square
+[blocks, blocks] problem (query t = block - 1 + s * stride + o sees blocks 0..s), and the
+importance is one forward-only pass over chunks of queries. Otherwise (after a cache, or when the
+importance must pass gradient) both come from one chunked pass. A chunk reads only the blocks
+complete by its last query (nothing past it is computed) and masks only the few blocks that its
+earlier queries cannot see yet, from positions. The backward pass recomputes each chunk's
+probabilities (as flash attention does), so what is kept for it is q and the compressed keys and
+values: O(n), never O(n^2 / stride).
+
+Spreading onto fine blocks is a banded sum, not a [compressed, fine] product: tokens are cut into
+segments of u = gcd(block, stride, fine_block) tokens; compressed block i spreads its probability
+evenly over its block / u segments, and a fine block sums its fine_block / u segments. That is the
+token-overlap fraction exactly, in O(blocks * block / u) per query.
+"""
+
+from bisect import bisect_right
+from math import gcd
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# choose(importance [bh, chunk, fine blocks up to the chunk's last query], first position)
+#   -> (scores, indices) [bh, chunk, selected]
+Choose = Callable[[Tensor, int], tuple[Tensor, Tensor]]
+
+# score elements (fp32) per chunk: large enough for efficient products, small enough for the cache
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def visible_blocks(positions: Tensor, block: int, stride: int, num_blocks: int) -> Tensor:
+    """How many compressed blocks are complete at each position: block i ends at i * stride + block - 1."""
+    return ((positions + 1 - block).div(stride, rounding_mode="floor") + 1).clamp(0, num_blocks)
+
+
+def compressed_attention(q: Tensor, kc: Tensor, vc: Tensor, start: int, block: int, stride: int,
+                         fine_block: int, choose: Choose, importance_grad: bool = False
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention over the complete compressed blocks, and the fine blocks `choose` picks by importance.
+
+    q        [batch_kv, group, seq_q, dim_head]  queries of one GQA group (batch * kv_heads first)
+    kc, vc   [batch_kv, blocks, dim_head]        compressed keys and values, blocks from 0
+    start    position of the first query
+    choose   called per chunk of queries with their importance [batch_kv, chunk, fine blocks] (fp32:
+             the probability mass on each fine block up to the chunk's last query, summed over the
+             group, so each row sums to `group`, or 0 before the first complete block) and the
+             chunk's first position; returns (scores, indices) [batch_kv, chunk, selected]
+    returns  out [batch_kv, group, seq_q, dim_head] (zeros where no block is complete yet), and the
+             scores and indices [batch_kv, seq_q, selected] that `choose` gave
+
+    importance_grad: the scores pass gradient to q and kc (differentiable selection); otherwise
+    they are constants.
+    """
+    layout = _Layout(q, kc.shape[1], start, block, stride, fine_block)
+    if start == 0 and not importance_grad:
+        with torch.no_grad():
+            _, scores, indices = _chunked_pass(q * q.shape[-1] ** -0.5, kc.to(q.dtype), vc, layout, choose, False)
+        return _flash_from_start(q, kc, vc, block, stride), scores, indices
+    return _CompressedAttention.apply(q, kc, vc, layout, choose, importance_grad)
+
+
+def _flash_from_start(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int) -> Tensor:
+    """The attention for queries from position 0, as causal flash attention over rows of blocks:
+    [bh, g, seq, d] -> [bh, g, seq, d], zeros before the first complete block."""
+    bh, g, m, d = q.shape
+    first, blocks = min(m, block - 1), kc.shape[1]
+    if blocks == 0:
+        return torch.zeros_like(q)
+    rows = F.pad(q[:, :, first:], (0, 0, 0, blocks * stride - (m - first)))
+    rows = rows.view(bh, g, blocks, stride, d).transpose(2, 3).reshape(bh, g * stride, blocks, d)
+    out = F.scaled_dot_product_attention(rows, kc[:, None].to(q.dtype), vc[:, None].to(q.dtype), is_causal=True,
+                                         enable_gqa=True)
+    out = out.view(bh, g, stride, blocks, d).transpose(2, 3).reshape(bh, g, blocks * stride, d)[:, :, : m - first]
+    return F.pad(out, (0, 0, first, 0))
+
+
+class _Layout:
+    """Chunks of queries with the blocks each may see (the leading queries that see no block are
+    skipped), and the banded map from block probabilities to fine-block importance."""
+
+    def __init__(self, q: Tensor, num_blocks: int, start: int, block: int, stride: int, fine_block: int):
+        bh, g, m, _ = q.shape
+        self.start, self.fine_block = start, fine_block
+        self.positions = torch.arange(start, start + m, device=q.device)
+        self.counts = visible_blocks(self.positions, block, stride, num_blocks)
+        counts = self.counts.tolist()
+        self.chunks = []
+        c0 = next((i for i, c in enumerate(counts) if c > 0), m)
+        self.blind = c0  # leading queries that see no block yet
+        while c0 < m:  # the longest chunk whose scores [bh, g, chunk, blocks seen] fit the budget
+            tile = lambda c1: (c1 - c0) * counts[c1 - 1] * bh * g  # noqa: E731
+            c1 = max(min(m, c0 + 16), bisect_right(range(c0 + 1, m + 1), _CHUNK_ELEMENTS, key=tile) + c0)
+            self.chunks.append((c0, c1, counts[c0], counts[c1 - 1]))
+            c0 = c1
+        unit = gcd(gcd(block, stride), fine_block)
+        self.per_block, self.step, self.per_fine = block // unit, stride // unit, fine_block // unit
+
+    def probabilities(self, q_scaled: Tensor, kc: Tensor, c0: int, c1: int, k0: int, k1: int) -> Tensor:
+        """Softmax over the blocks visible to queries c0..c1 in fp32 at least, [bh, g, chunk, k1]."""
+        bh, g, _, d = q_scaled.shape
+        size = c1 - c0
+        scores = torch.bmm(q_scaled[:, :, c0:c1].reshape(bh, g * size, d), kc[:, :k1].transpose(1, 2))
+        scores = scores.view(bh, g, size, k1).to(torch.promote_types(scores.dtype, torch.float32))
+        if k0 < k1:  # blocks k0.. that the chunk's earlier queries cannot see yet
+            hidden = torch.arange(k0, k1, device=kc.device)[None] >= self.counts[c0:c1, None]
+            scores[..., k0:].masked_fill_(hidden, float("-inf"))
+        return scores.softmax(-1)
+
+    def fine_blocks(self, c1: int) -> int:
+        """Fine blocks that start at or before the chunk's last query."""
+        return (self.start + c1 - 1) // self.fine_block + 1
+
+    def spread(self, probs: Tensor) -> Tensor:
+        """[..., k blocks] -> [..., fine blocks reached]: each block's probability spread evenly over
+        its segments, summed per fine block."""
+        k = probs.shape[-1]
+        fine = -(-((k - 1) * self.step + self.per_block) // self.per_fine)
+        segments = probs.new_zeros(*probs.shape[:-1], fine * self.per_fine)
+        for r in range(self.per_block):
+            segments[..., r : r + (k - 1) * self.step + 1 : self.step] += probs
+        return _strided_sum(segments, self.per_fine).div_(self.per_block)
+
+    def spread_backward(self, grad: Tensor, k: int) -> Tensor:
+        """[..., fine blocks] -> [..., k blocks]: the gradient of spread's input."""
+        segments = grad.repeat_interleave(self.per_fine, dim=-1)
+        out = segments[..., : (k - 1) * self.step + 1 : self.step].clone()
+        for r in range(1, self.per_block):
+            out += segments[..., r : r + (k - 1) * self.step + 1 : self.step]
+        return out.div_(self.per_block)
+
+
+def _chunked_pass(q_scaled: Tensor, kc: Tensor, vc: Tensor, layout: _Layout, choose: Choose,
+                  with_output: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The output (if asked for) and the chosen blocks, chunk by chunk."""
+    bh, g, m, d = q_scaled.shape
+    out = q_scaled.new_zeros(bh, g, m, d) if with_output else None
+    picks = []
+    if layout.blind:  # no complete block yet: every fine block is equally unimportant
+        picks.append(choose(q_scaled.new_zeros(bh, layout.blind, layout.fine_blocks(layout.blind),
+                                               dtype=torch.float32), layout.start))
+    for c0, c1, k0, k1 in layout.chunks:
+        probs = layout.probabilities(q_scaled, kc, c0, c1, k0, k1)
+        if with_output:
+            out[:, :, c0:c1] = torch.bmm(probs.to(vc.dtype).flatten(1, 2), vc[:, :k1]).view(bh, g, c1 - c0, d)
+        importance = layout.spread(_strided_sum(probs.transpose(1, -1), g).transpose(1, -1)[:, 0])
+        importance = F.pad(importance, (0, layout.fine_blocks(c1) - importance.shape[-1]))
+        picks.append(choose(importance, layout.start + c0))
+    scores, indices = (torch.cat(part, dim=1) for part in zip(*picks))
+    return out, scores, indices
+
+
+def _strided_sum(x: Tensor, width: int) -> Tensor:
+    """[..., n * width] -> [..., n]: the sum of each run of `width` elements, as width - 1 adds of
+    strided views (a reduction over a short inner axis runs element by element on the CPU)."""
+    out = x[..., ::width].clone()
+    for r in range(1, width):
+        out += x[..., r::width]
+    return out
+
+
+class _CompressedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kc, vc, layout, choose, importance_grad):
+        q_scaled = q * q.shape[-1] ** -0.5
+        kc, vc = kc.to(q.dtype), vc.to(q.dtype)
+        out, scores, indices = _chunked_pass(q_scaled, kc, vc, layout, choose, True)
+        ctx.save_for_backward(q_scaled, kc, vc, indices)
+        ctx.layout = layout
+        ctx.mark_non_differentiable(indices)
+        if not importance_grad:
+            ctx.mark_non_differentiable(scores)
+        return out, scores, indices
+
+    @staticmethod
+    def backward(ctx, dout, dscores, _):
+        q_scaled, kc, vc, indices = ctx.saved_tensors
+        layout = ctx.layout
+        bh, g, m, d = q_scaled.shape
+        dtype = q_scaled.dtype
+        dout = dout.to(dtype)
+        dq, dkc, dvc = torch.zeros_like(q_scaled), torch.zeros_like(kc), torch.zeros_like(vc)
+        for c0, c1, k0, k1 in layout.chunks:
+            size = c1 - c0
+            doc = dout[:, :, c0:c1].reshape(bh, g * size, d)
+            probs = layout.probabilities(q_scaled, kc, c0, c1, k0, k1)
+            dprobs = torch.bmm(doc, vc[:, :k1].transpose(1, 2)).view(bh, g, size, k1).to(probs.dtype)
+            if dscores is not None:  # every head of the group adds its probability to the importance
+                width, chosen = layout.fine_blocks(c1), indices[:, c0:c1]
+                dimportance = dscores.new_zeros(bh, size, max(width, chosen.shape[-1]))
+                dimportance.scatter_add_(-1, chosen.clamp(max=dimportance.shape[-1] - 1), dscores[:, c0:c1])
+                dimportance = dimportance[..., :width]  # blocks past the chunk's last query have no importance
+                dprobs += layout.spread_backward(dimportance, k1)[:, None].to(dprobs.dtype)
+            dlogits = torch._softmax_backward_data(dprobs, probs, -1, probs.dtype).to(dtype).flatten(1, 2)
+            dvc[:, :k1] += torch.bmm(probs.to(dtype).flatten(1, 2).transpose(1, 2), doc)
+            dq[:, :, c0:c1] = torch.bmm(dlogits, kc[:, :k1]).view(bh, g, size, d)
+            dkc[:, :k1] += torch.bmm(dlogits.transpose(1, 2), q_scaled[:, :, c0:c1].reshape(bh, g * size, d))
+        return dq * d**-0.5, dkc, dvc, None, None, None

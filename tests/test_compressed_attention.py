@@ -1,0 +1,112 @@
+"""NSA's compressed attention and block importance against the dense formulation: values, the
+importance handed to `choose`, and every gradient, in float64 so the tolerance can be tight."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.compressed_attention as module
+from kernels.compressed_attention import compressed_attention
+
+
+def naive(q, kc, vc, start, block, stride, fine, num_fine):
+    """Dense softmax over the visible blocks, and importance as a [blocks, fine blocks] overlap product."""
+    positions = start + torch.arange(q.shape[2])
+    block_start = torch.arange(kc.shape[1]) * stride
+    visible = block_start[None] + block - 1 <= positions[:, None]  # [queries, blocks]
+    scores = torch.einsum("bgmd,bcd->bgmc", q, kc) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    out = torch.einsum("bgmc,bcd->bgmd", probs, vc)
+    fine_start = torch.arange(num_fine) * fine
+    overlap = (torch.minimum(block_start[:, None] + block, fine_start[None] + fine)
+               - torch.maximum(block_start[:, None], fine_start[None])).clamp(min=0) / block
+    return out, probs.sum(1) @ overlap.to(q.dtype)
+
+
+def whole_importance(num_fine):
+    """A `choose` that keeps every fine block's importance, so the test can read all of it."""
+    def choose(importance, first):
+        full = F.pad(importance, (0, num_fine - importance.shape[-1]))
+        return full, torch.arange(num_fine).expand(full.shape).contiguous()
+    return choose
+
+
+CASES = [  # (batch_kv, group, seq_q, start, dim_head, block, stride, fine block)
+    (1, 1, 16, 0, 8, 4, 2, 4),
+    (2, 2, 37, 0, 8, 4, 2, 4),  # a length that is a multiple of no block size
+    (2, 3, 50, 0, 16, 16, 8, 16),  # the default knobs' shape
+    (1, 2, 45, 0, 8, 6, 4, 8),  # gcd(block, stride, fine) = 2: segments of 2 tokens
+    (1, 2, 29, 0, 8, 5, 3, 7),  # coprime sizes: segments of one token
+    (2, 2, 5, 40, 8, 4, 2, 4),  # queries after a cache
+    (1, 2, 1, 63, 8, 16, 8, 16),  # one decoding query
+    (1, 1, 3, 0, 8, 4, 2, 4),  # shorter than a block: no block complete
+]
+
+
+@pytest.mark.parametrize("importance_grad", [False, True], ids=["const", "diff"])
+@pytest.mark.parametrize("bh,g,m,start,d,block,stride,fine", CASES,
+                         ids=[f"BH{c[0]}-G{c[1]}-Q{c[2]}-S{c[3]}-D{c[4]}-l{c[5]}-d{c[6]}-f{c[7]}" for c in CASES])
+def test_matches_dense_formulation(bh, g, m, start, d, block, stride, fine, importance_grad):
+    gen = torch.Generator().manual_seed(0)
+    seq = start + m
+    blocks, num_fine = max(0, (seq - block) // stride + 1), -(-seq // fine)
+    q = torch.randn(bh, g, m, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    kc = torch.randn(bh, blocks, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    vc = torch.randn(bh, blocks, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    out, importance, _ = compressed_attention(q, kc, vc, start, block, stride, fine, whole_importance(num_fine),
+                                              importance_grad=importance_grad)
+    ref, ref_importance = naive(q, kc, vc, start, block, stride, fine, num_fine)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(importance.double(), ref_importance.detach(), rtol=1e-6, atol=1e-6)  # fp32 importance
+    if not blocks:
+        return
+    grad_out, grad_imp = torch.randn_like(out), torch.randn_like(ref_importance)
+    loss = (out * grad_out).sum() + ((importance.double() * grad_imp).sum() if importance_grad else 0)
+    ref_loss = (ref * grad_out).sum() + ((ref_importance * grad_imp).sum() if importance_grad else 0)
+    ours = torch.autograd.grad(loss, (q, kc, vc))
+    theirs = torch.autograd.grad(ref_loss, (q, kc, vc))
+    for a, b, name in zip(ours, theirs, ("q", "kc", "vc")):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"d{name} differs")
+
+
+def test_constant_importance_passes_no_gradient():
+    q, kc, vc = (torch.randn(1, 2, 40, 8, requires_grad=True), torch.randn(1, 19, 8, requires_grad=True),
+                 torch.randn(1, 19, 8))
+    _, importance, _ = compressed_attention(q, kc, vc, 0, 4, 2, 4, whole_importance(10))
+    assert not importance.requires_grad
+
+
+def test_chunking_does_not_change_the_result(monkeypatch):
+    """Chunks of a few queries and one chunk for everything give the same values and gradients."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 2, 70, 8, generator=gen, requires_grad=True)
+    kc = torch.randn(2, 34, 8, generator=gen, requires_grad=True)
+    vc = torch.randn(2, 34, 8, generator=gen, requires_grad=True)
+    results = []
+    for budget in (1 << 20, 64):
+        monkeypatch.setattr(module, "_CHUNK_ELEMENTS", budget)
+        out, importance, _ = compressed_attention(q, kc, vc, 0, 4, 2, 4, whole_importance(18), importance_grad=True)
+        results.append((out, importance, *torch.autograd.grad(out.square().sum() + importance.sum(), (q, kc, vc))))
+    assert len(module._Layout(q, 34, 0, 4, 2, 4).chunks) == 5  # the small budget split them (16 at least each)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+def test_choose_sees_each_chunk_once_in_order():
+    seen = []
+
+    def choose(importance, first):
+        seen.append((first, importance.shape[1], importance.shape[2]))
+        return importance[..., :1], importance[..., :1].long()
+
+    monkey_budget = module._CHUNK_ELEMENTS
+    try:
+        module._CHUNK_ELEMENTS = 64
+        compressed_attention(torch.randn(1, 2, 41, 8), torch.randn(1, 19, 8), torch.randn(1, 19, 8), 0, 4, 2, 4,
+                             choose)
+    finally:
+        module._CHUNK_ELEMENTS = monkey_budget
+    firsts = [first for first, _, _ in seen]
+    assert firsts[0] == 0 and seen[0][1] == 3  # positions 0-2 see no complete block
+    assert all(a + size == b for (a, size, _), b in zip(seen, firsts[1:])) and firsts[-1] + seen[-1][1] == 41
+    assert all(width == (first + size - 1) // 4 + 1 for first, size, width in seen)  # blocks up to the last query
