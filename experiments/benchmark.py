@@ -1,7 +1,13 @@
-"""Training-step figures per model: tokens/s, peak memory, MFU, and the training loop's overhead.
+"""Training-step and decoding figures per model: tokens/s, peak memory, MFU, the training loop's
+overhead, and each model's speed as a ratio to the dense transformer measured in the same run.
 
-    python -m experiments.benchmark                         # the bench config, every LM model
-    python -m experiments.benchmark --models nsa --seq 8192 --batch 1
+    python -m experiments.benchmark                         # the bench config, dense and NSA
+    python -m experiments.benchmark --models nsa transformer --seq 4096 8192 --batch 1
+    python -m experiments.benchmark --models nsa transformer sinkhorn routing \
+        --seq 1024 4096 8192 16384 32768 --batch 1 --plot scaling.png  # cost against length
+    python -m experiments.benchmark --decode --seq 4096 16384         # one decoding step after a cache
+    python -m experiments.benchmark --precision bf16                  # autocast, as trainer.precision=bf16
+    python -m experiments.benchmark --models nsa --seq 8192 --batch 1 --profile  # the ops of one step
     python -m experiments.benchmark --models sinkhorn ref:sinkhorn routing ref:routing
 
 Models are composed from conf/ exactly as train.py composes them (bench config: vocab 256,
@@ -9,12 +15,16 @@ dim 256, depth 4, heads 4, dim_head 64; each attention adds its conf/model/<name
 routing gets seq / window_size clusters, as the reference package derives them), fp32. Each
 measurement runs in a fresh process so that its peak memory is its own.
 
+The header names the processor: figures from different machines do not compare, ratios measured
+in one run do.
+
 `ref:sinkhorn` and `ref:routing` measure the reference packages (sinkhorn-transformer 0.11.4,
 routing-transformer 1.6.1) at the same config, when they are installed; they are not
 dependencies of this project: `pip install sinkhorn-transformer==0.11.4 routing-transformer==1.6.1`.
 """
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -48,19 +58,13 @@ def reference_model(name: str, cfg, seq: int):
     return model, lambda tokens: model(tokens)
 
 
-def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, extra: list[str]) -> dict:
-    """One model's figures, measured in this process."""
-    import resource
-
+def build(model_name: str, seq: int, threads: int, extra: list[str]):
+    """The composed config and the model (ours or a reference package's) -> (cfg, model, forward)."""
     import torch
-    import torch.nn.functional as F
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
     import experiments.schema  # noqa: F401
-    from experiments.data import ByteText
-    from experiments.run import Run
-    from experiments.throughput import matmul_peak_flops, training_flops_per_token
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -71,18 +75,45 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
     else:
         model = instantiate(cfg.model)
         forward = lambda tokens: (model(tokens), model.aux_loss())  # noqa: E731
+    return cfg, model, forward
+
+
+def autocast(precision: str):
+    """The training step's precision, as the local backend sets it from trainer.precision."""
+    import torch
+
+    return contextlib.nullcontext() if precision == "fp32" else torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, extra: list[str],
+            precision: str = "fp32", profile: bool = False) -> dict:
+    """One model's training-step figures, measured in this process."""
+    import resource
+
+    import torch
+    import torch.nn.functional as F
+    from hydra.utils import instantiate
+
+    from experiments.data import ByteText
+    from experiments.run import Run
+    from experiments.throughput import matmul_peak_flops, training_flops_per_token
+
+    cfg, model, forward = build(model_name, seq, threads, extra)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     data = ByteText(seq_len=seq, cache_dir=cfg.data.cache_dir)
     batch_tokens = data.train_batch(batch, seed=0, step=0)
 
     def step():
-        logits, aux = forward(batch_tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch_tokens[:, 1:].flatten()) + aux
+        with autocast(precision):
+            logits, aux = forward(batch_tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch_tokens[:, 1:].flatten()) + aux
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     step_s = median_seconds(step, steps)
+    if profile:
+        print_profile(step)
 
     # the loop's own work per step: sampling a batch and writing one metrics row
     import tempfile
@@ -104,6 +135,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         "model": model_name,
         "seq": seq,
         "batch": batch,
+        "mode": "train",
         "params": sum(p.numel() for p in model.parameters()),
         "step_s": round(step_s, 3),
         "tokens_per_s": round(tok_s, 1),
@@ -114,6 +146,57 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         "loop_overhead": round(loop_s / step_s, 4),
         "activation_mb": round(activation_mb, 1),
     }
+
+
+def measure_decode(model_name: str, context: int, batch: int, steps: int, threads: int, extra: list[str],
+                   precision: str = "fp32", profile: bool = False) -> dict:
+    """Greedy decoding figures after a cache of `context` tokens, measured in this process: the
+    tokens/s of one decoding step (median of `steps`), and the prompt's time."""
+    import resource
+
+    import torch
+
+    from experiments.data import ByteText
+
+    cfg, model, _ = build(model_name, context + steps + 2, threads, extra)
+    if model_name.startswith("ref:"):
+        raise SystemExit(f"--decode measures this project's models only, not {model_name}")
+    model.eval()
+    data = ByteText(seq_len=context, cache_dir=cfg.data.cache_dir)
+    prompt = data.train_batch(batch, seed=0, step=0)[:, :context]
+    with torch.no_grad(), autocast(precision):
+        cache = model.new_cache()
+        t0 = time.perf_counter()
+        token = model(prompt, cache=cache)[:, -1:].argmax(-1)
+        prompt_s = time.perf_counter() - t0
+
+        def step():
+            nonlocal token
+            token = model(token, cache=cache)[:, -1:].argmax(-1)
+
+        step_s = median_seconds(step, steps)
+        if profile:
+            print_profile(step)
+    return {
+        "model": model_name,
+        "seq": context,
+        "batch": batch,
+        "mode": "decode",
+        "params": sum(p.numel() for p in model.parameters()),
+        "step_s": round(step_s, 5),
+        "tokens_per_s": round(batch / step_s, 1),
+        "prompt_s": round(prompt_s, 3),
+        "peak_mem_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def print_profile(step, rows: int = 20) -> None:
+    """The operators of one call of step(), by their own time."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
 
 
 def median_seconds(step, steps: int) -> float:
@@ -147,45 +230,125 @@ def saved_activation_bytes(forward, tokens) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["transformer", "nsa"])
-    parser.add_argument("--seq", type=int, nargs="+", default=[1024])
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024],
+                        help="sequence lengths (with --decode: the cached context before each step)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1, help="interleaved rounds; the median round is shown")
+    parser.add_argument("--decode", action="store_true", help="time one decoding step after a cache, not training")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: autocast on the CPU, as trainer.precision=bf16")
+    parser.add_argument("--plot", type=Path, help="write tokens/s and peak memory against length (log-log) here")
+    parser.add_argument("--profile", action="store_true", help="print the operators of one step of each measurement")
     parser.add_argument("--override", nargs="*", default=[], help="extra config overrides, e.g. model.num_fine_selected=8")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: print one JSON row
     args = parser.parse_args()
+    for name, value in (("--batch", args.batch), ("--steps", args.steps), ("--threads", args.threads),
+                        ("--repeat", args.repeat), ("--seq", min(args.seq))):
+        if value < 1:
+            parser.error(f"{name} must be at least 1, got {value}")
 
     if args.one:
-        print(json.dumps(measure(args.models[0], args.seq[0], args.batch, args.steps, args.threads, args.override)))
+        run = measure_decode if args.decode else measure
+        row = run(args.models[0], args.seq[0], args.batch, args.steps, args.threads, args.override, args.precision,
+                  args.profile)
+        print(json.dumps(row))
         return
 
+    import torch
+
+    from experiments.throughput import device_name
+
+    print(f"{device_name(torch.device('cpu'))}, {args.threads} threads, {args.precision}, "
+          f"{'decoding after a cache' if args.decode else 'training step'}", flush=True)
     rows: dict[tuple, list[dict]] = {}
     for _ in range(args.repeat):  # rounds interleave the models, so a noisy spell hits them all
         for seq in args.seq:
             for name in args.models:
                 cmd = [sys.executable, "-m", "experiments.benchmark", "--one", "--models", name, "--seq", str(seq),
                        "--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads),
-                       "--override", *args.override]
+                       "--precision", args.precision, *(["--decode"] if args.decode else []),
+                       *(["--profile"] if args.profile else []), "--override", *args.override]
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:
-                    print(f"{name:<14} {seq:>6} failed: {out.stderr.strip().splitlines()[-1]}")
+                    print(f"{name:<14} {seq:>6} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
                     continue
-                rows.setdefault((seq, name), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+                *profile, last = out.stdout.strip().splitlines()
+                if profile:
+                    print(f"{name} at {seq}:", *profile, sep="\n")
+                rows.setdefault((seq, name), []).append(json.loads(last))
+    table = [median_round(runs) for runs in rows.values()]
+    print_table(table, args)
+    if args.plot:
+        plot_scaling(table, args.plot, args)
+        print(f"wrote {args.plot}")
 
-    header = (f"{'model':<14} {'seq':>6} {'batch':>5} {'tokens/s':>10} {'step s':>8} {'peak MB':>8} {'act MB':>7} "
-              f"{'MFU':>6} {'loop %':>7}")
+
+def median_round(runs: list[dict]) -> dict:
+    """The median round by speed, with the largest peak memory of all rounds."""
+    row = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2])
+    row["peak_mem_mb"] = max(r["peak_mem_mb"] for r in runs)
+    return row
+
+
+def print_table(table: list[dict], args) -> None:
+    dense = {r["seq"]: r for r in table if r["model"] == "transformer"}
+    if args.decode:
+        header = f"{'model':<14} {'context':>7} {'batch':>5} {'tokens/s':>10} {'step ms':>8} {'x dense':>7} {'prompt s':>8} {'peak MB':>8}"
+    else:
+        header = (f"{'model':<14} {'seq':>6} {'batch':>5} {'tokens/s':>10} {'step s':>8} {'x dense':>7} {'peak MB':>8} "
+                  f"{'/dense':>6} {'act MB':>7} {'MFU':>6} {'loop %':>7}")
     print(header)
     print("-" * len(header))
-    for runs in rows.values():
-        r = sorted(runs, key=lambda row: row["tokens_per_s"])[len(runs) // 2]  # the median round
-        r["peak_mem_mb"] = max(row["peak_mem_mb"] for row in runs)
+    for r in table:
+        base = dense.get(r["seq"])
+        speed = format(r["tokens_per_s"] / base["tokens_per_s"], ".2f") if base else "-"
+        if args.decode:
+            print(f"{r['model']:<14} {r['seq']:>7} {r['batch']:>5} {r['tokens_per_s']:>10,.1f} {r['step_s'] * 1e3:>8.2f} "
+                  f"{speed:>7} {r['prompt_s']:>8.2f} {r['peak_mem_mb']:>8,.0f}")
+            continue
+        memory = format(r["peak_mem_mb"] / base["peak_mem_mb"], ".2f") if base else "-"
         mfu = "-" if r["mfu"] is None else format(r["mfu"], ".1%")
         print(f"{r['model']:<14} {r['seq']:>6} {r['batch']:>5} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.3f} "
-              f"{r['peak_mem_mb']:>8,.0f} {r['activation_mb']:>7,.0f} {mfu:>6} {r['loop_overhead']:>7.2%}")
-    print(f"(fp32, {args.threads} threads, median of {args.steps} steps, median of {args.repeat} interleaved "
-          "rounds, largest peak; act MB: tensors one forward keeps for the backward; MFU against the "
-          "measured fp32 matmul peak)")
+              f"{speed:>7} {r['peak_mem_mb']:>8,.0f} {memory:>6} {r['activation_mb']:>7,.0f} {mfu:>6} "
+              f"{r['loop_overhead']:>7.2%}")
+    what = "one decoding step after the context, greedy" if args.decode else "forward, loss, backward, optimizer step"
+    print(f"({what}; {args.precision}, {args.threads} threads, median of {args.steps} steps, median of {args.repeat} "
+          "interleaved rounds, largest peak; x dense and /dense: tokens/s and peak memory against the transformer "
+          "in this run" + ("" if args.decode else "; act MB: tensors one forward keeps for the backward; MFU "
+                           "against the measured fp32 matmul peak") + ")")
+
+
+def plot_scaling(table: list[dict], path: Path, args) -> None:
+    """tokens/s and peak memory against length, log-log, one line per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    from experiments.throughput import device_name
+
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(r["model"] for r in table):
+        rows = sorted((r for r in table if r["model"] == name), key=lambda r: r["seq"])
+        seqs = [r["seq"] for r in rows]
+        speed.plot(seqs, [r["tokens_per_s"] for r in rows], marker="o", label=name)
+        memory.plot(seqs, [r["peak_mem_mb"] for r in rows], marker="o", label=name)
+    what = "decoding, after a cache of" if args.decode else "training,"
+    for ax, label in ((speed, "tokens/s"), (memory, "peak memory (MB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)" if args.decode else "sequence length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{what} batch {args.batch}, {args.precision}, {args.threads} threads: "
+                 f"{device_name(torch.device('cpu'))}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

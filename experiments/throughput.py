@@ -1,5 +1,6 @@
 """Figures for MFU: the device's measured matmul peak, and the FLOPs of one training step."""
 
+import platform
 import time
 
 import torch
@@ -51,6 +52,18 @@ def counted_flops(model: nn.Module, loss_fn) -> float:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
     return counter.get_total_flops()
+
+
+def device_name(device: torch.device) -> str:
+    """The processor a figure was measured on: the GPU's name, or the CPU model as lscpu prints it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else (platform.processor() or platform.machine())
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,17 @@
+"""Attention kernels, one package each: `naive.py` (the simplest readable reference), `reference.py`
+(the chunked plain-PyTorch path), `triton.py` where there is a Triton kernel, and the dispatcher in
+the package's `__init__.py`. Nothing here imports models/ or experiments/."""
+
+import os
+
+import torch
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (on CPU tensors) rather than compiling them."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_runnable() -> bool:
+    """Whether the Triton kernel can run here: on CUDA, or in Triton's interpreter."""
+    return torch.cuda.is_available() or triton_interpreting()

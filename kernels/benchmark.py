@@ -36,15 +36,13 @@ def attention_rows(n: int, dtype, heads: int = 64, kv_heads: int = 4, dim: int =
                    selected: int = 16) -> list[tuple[str, float, float]]:
     """(name, forward ms, forward+backward ms) at sequence length n, the paper's kernel setting."""
     from kernels.selected_attention import selected_attention
+    from kernels.selected_attention.naive import random_selection
 
     group = heads // kv_heads
     q = torch.randn(kv_heads, n, group, dim, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(kv_heads, n, dim, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(kv_heads, n, dim, device="cuda", dtype=dtype, requires_grad=True)
-    current = torch.arange(n, device="cuda") // block
-    picks = torch.rand(kv_heads, n, selected, device="cuda") * (current[None, :, None] + 1)
-    indices = torch.cat((current[None, :, None].expand(kv_heads, n, 1), picks[..., 1:].long()), -1)
-    valid = torch.ones_like(indices, dtype=torch.bool)
+    indices, valid = (t.cuda() for t in random_selection(kv_heads, n, 0, block, selected))
     rows = []
     for kernel in ("triton", "torch"):
         def fwd(kernel=kernel):

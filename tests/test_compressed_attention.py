@@ -5,22 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.compressed_attention as module
+import kernels.compressed_attention.reference as module
 from kernels.compressed_attention import compressed_attention
-
-
-def naive(q, kc, vc, start, block, stride, fine, num_fine):
-    """Dense softmax over the visible blocks, and importance as a [blocks, fine blocks] overlap product."""
-    positions = start + torch.arange(q.shape[2])
-    block_start = torch.arange(kc.shape[1]) * stride
-    visible = block_start[None] + block - 1 <= positions[:, None]  # [queries, blocks]
-    scores = torch.einsum("bgmd,bcd->bgmc", q, kc) * q.shape[-1] ** -0.5
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
-    out = torch.einsum("bgmc,bcd->bgmd", probs, vc)
-    fine_start = torch.arange(num_fine) * fine
-    overlap = (torch.minimum(block_start[:, None] + block, fine_start[None] + fine)
-               - torch.maximum(block_start[:, None], fine_start[None])).clamp(min=0) / block
-    return out, probs.sum(1) @ overlap.to(q.dtype)
+from kernels.compressed_attention.naive import compressed_attention as naive
 
 
 def whole_importance(num_fine):
@@ -87,7 +74,7 @@ def test_chunking_does_not_change_the_result(monkeypatch):
         monkeypatch.setattr(module, "_CHUNK_ELEMENTS", budget)
         out, importance, _ = compressed_attention(q, kc, vc, 0, 4, 2, 4, whole_importance(18), importance_grad=True)
         results.append((out, importance, *torch.autograd.grad(out.square().sum() + importance.sum(), (q, kc, vc))))
-    assert len(module._Layout(q, 34, 0, 4, 2, 4).chunks) == 5  # the small budget split them (16 at least each)
+    assert len(module.Layout(q, 34, 0, 4, 2, 4).chunks) == 5  # the small budget split them (16 at least each)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.compressed_attention import compressed_attention
+from kernels.compressed_attention.naive import compressed_attention as naive
 from models.attention.nsa import NativeSparseAttention
 from models.lm import nsa_lm
 
@@ -184,3 +185,22 @@ def test_diff_topk_model_trains_the_compressor_through_selection():
         grads.append((logits.detach(), model.blocks[0].attn.compress_k.w1.grad.clone()))
     torch.testing.assert_close(grads[0][0], grads[1][0])  # the same up to rounding: another summation order
     assert not torch.allclose(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("n", [37, 64, 101])
+def test_selection_equals_the_dense_formulation(n):
+    """The blocks chosen from the chunked, banded importance are those chosen from the dense
+    [queries, blocks] x [blocks, fine blocks] formulation (sharp scores: no near-ties)."""
+    attn = NativeSparseAttention(dim=16, heads=4, dim_head=8, kv_heads=2, sliding_window_size=4, compress_block_size=6,
+                                 compress_stride=4, fine_block_size=8, num_fine_selected=6)
+    gen = torch.Generator().manual_seed(n)
+    blocks, num_fine = attn.compress_k.num_blocks(n), -(-n // 8)
+    q = 4 * torch.randn(4, 2, n, 8, dtype=torch.float64, generator=gen)
+    kc = 4 * torch.randn(4, blocks, 8, dtype=torch.float64, generator=gen)
+    _, scores, indices = compressed_attention(q, kc, kc, 0, 6, 4, 8, attn._chooser(n))
+    _, importance = naive(q, kc, kc, 0, 6, 4, 8, num_fine)
+    ref_scores, ref_indices = attn._choose(importance, 0, 3)
+    valid = ref_scores > float("-inf")
+    assert torch.equal(scores > float("-inf"), valid)
+    assert torch.equal(indices[valid], ref_indices[valid])
+    torch.testing.assert_close(scores[valid], ref_scores[valid])

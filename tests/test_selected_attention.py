@@ -1,43 +1,12 @@
-"""The selected-block attention function against a naive dense-masked reference: values and every
-gradient, in float64 so the tolerance can be tight."""
+"""The selected-block attention reference against the naive dense-masked definition: values and
+every gradient, in float64 so the tolerance can be tight."""
 
 import pytest
 import torch
 
 from kernels.selected_attention import selected_attention
-
-
-def naive(q, k, v, indices, valid, start, block, weights=None):
-    """Dense attention over all keys, masked to the selected blocks and the causal past; with
-    weights, each key's probability is scaled by its slot's weight before the values."""
-    n = k.shape[1]
-    key_block = torch.arange(n) // block
-    allowed = torch.zeros(q.shape[0], q.shape[1], n, dtype=torch.bool)
-    scale = torch.zeros(q.shape[0], q.shape[1], n, dtype=q.dtype)
-    for s in range(indices.shape[-1]):
-        in_slot = (key_block == indices[..., s : s + 1]) & valid[..., s : s + 1]
-        allowed |= in_slot
-        if weights is not None:
-            scale = scale + in_slot * weights[..., s : s + 1]
-    positions = start + torch.arange(q.shape[1])
-    allowed &= torch.arange(n)[None, None] <= positions[None, :, None]
-    scores = torch.einsum("bmgd,bkd->bmgk", q, k) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
-    probs = scores.softmax(-1) if weights is None else scores.softmax(-1) * scale[:, :, None]
-    return torch.einsum("bmgk,bkd->bmgd", probs, v), scores.logsumexp(-1)
-
-
-def random_selection(bh, m, start, n, block, selected, gen):
-    """Own block first (always valid), then random earlier blocks; duplicates marked invalid."""
-    current = (start + torch.arange(m)) // block
-    picks = [current[None].expand(bh, m)]
-    for _ in range(selected - 1):
-        picks.append((torch.rand(bh, m, generator=gen) * (current + 1)).long())
-    indices = torch.stack(picks, -1)
-    valid = torch.ones_like(indices, dtype=torch.bool)
-    for s in range(1, selected):
-        valid[..., s] = (indices[..., s : s + 1] != indices[..., :s]).all(-1)
-    return indices, valid
+from kernels.selected_attention.naive import random_selection
+from kernels.selected_attention.naive import selected_attention as naive
 
 
 CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, block, selected)
@@ -57,7 +26,7 @@ def test_matches_naive_reference(bh, m, n, g, d, block, selected):
     k = torch.randn(bh, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
     v = torch.randn(bh, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
     start = n - m
-    indices, valid = random_selection(bh, m, start, n, block, selected, gen)
+    indices, valid = random_selection(bh, m, start, block, selected, gen)
     out, lse = selected_attention(q, k, v, indices, valid, start, block)
     ref, ref_lse = naive(q, k, v, indices, valid, start, block)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
@@ -71,13 +40,13 @@ def test_matches_naive_reference(bh, m, n, g, d, block, selected):
 
 def test_chunking_does_not_change_the_result(monkeypatch):
     """Many small chunks and one large chunk give the same values and gradients."""
-    import kernels.selected_attention as module
+    import kernels.selected_attention.reference as module
 
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(2, 40, 2, 8, generator=gen, requires_grad=True)
     k = torch.randn(2, 40, 8, generator=gen, requires_grad=True)
     v = torch.randn(2, 40, 8, generator=gen, requires_grad=True)
-    indices, valid = random_selection(2, 40, 0, 40, 4, 3, gen)
+    indices, valid = random_selection(2, 40, 0, 4, 3, gen)
     results = []
     for chunk in (1 << 20, 96):  # 96 elements: a single row per chunk
         monkeypatch.setattr(module, "_FORWARD_CHUNK", chunk)
@@ -110,7 +79,7 @@ def test_slot_weights_scale_each_slots_share_and_get_their_gradient():
     k = torch.randn(bh, m, d, dtype=torch.float64, generator=gen, requires_grad=True)
     v = torch.randn(bh, m, d, dtype=torch.float64, generator=gen, requires_grad=True)
     weights = torch.rand(bh, m, selected, dtype=torch.float64, generator=gen).add(0.5).requires_grad_()
-    indices, valid = random_selection(bh, m, 0, m, block, selected, gen)
+    indices, valid = random_selection(bh, m, 0, block, selected, gen)
     out, lse = selected_attention(q, k, v, indices, valid, 0, block, weights=weights)
     ref, ref_lse = naive(q, k, v, indices, valid, 0, block, weights)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.selected_attention import selected_attention
-from test_selected_attention import random_selection
+from kernels.selected_attention.naive import random_selection
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +33,7 @@ def test_kernel_matches_the_reference(bh, m, n, g, d, block, selected, dtype):
     q = torch.randn(bh, m, g, d, generator=gen).to(dtype)
     k = torch.randn(bh, n, d, generator=gen).to(dtype)
     v = torch.randn(bh, n, d, generator=gen).to(dtype)
-    indices, valid = random_selection(bh, m, n - m, n, block, selected, gen)
+    indices, valid = random_selection(bh, m, n - m, block, selected, gen)
     valid[:, 0, 1:] = False  # some slots unused
     results = []
     for kernel, tensors in (("torch", (q.float(), k.float(), v.float())), ("triton", (q, k, v))):
@@ -54,7 +54,7 @@ def test_kernel_matches_the_reference_with_slot_weights(d, block):
     bh, m, g, selected = 2, 21, 2, 3
     q, k, v = torch.randn(bh, m, g, d, generator=gen), torch.randn(bh, m, d, generator=gen), torch.randn(bh, m, d, generator=gen)
     weights = torch.rand(bh, m, selected, generator=gen) + 0.5
-    indices, valid = random_selection(bh, m, 0, m, block, selected, gen)
+    indices, valid = random_selection(bh, m, 0, block, selected, gen)
     results = []
     for kernel in ("torch", "triton"):
         leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, weights)]

@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from kernels.compressed_attention import compressed_attention
+from kernels.compressed_attention import block_selection, causal_block_attention, compressed_attention
 from kernels.selected_attention import selected_attention, triton_runnable
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
@@ -112,34 +113,64 @@ class NativeSparseAttention(nn.Module):
         self.rotary = Rotary(dim_head)
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
-        """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens."""
-        b, m, _ = x.shape
-        start = 0 if cache is None else cache.get("pos", 0)
+        """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens.
+
+        In training the branches are recomputed in the backward pass from the projections (as
+        flash attention recomputes its probabilities), so a layer keeps O(n) activations: x, the
+        query and key/value projections and the gates, no less lean than dense attention. Block
+        selection needs no gradient (unless diff_topk), so it runs once, outside the recomputation."""
         q = rearrange(self.to_q(x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
         kv = rearrange(self.to_kv(x), "b n (s h d) -> s b h n d", s=2 * BRANCHES, h=self.kv_heads)
+        gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
+        if cache is None and torch.is_grad_enabled():
+            selection = None if self.diff_topk else self._selection(q, kv[0])
+            out = checkpoint(self._attend, q, kv, gates, None, selection, use_reentrant=False)
+        else:
+            out = self._attend(q, kv, gates, cache)
+        return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
+
+    def _attend(self, q: Tensor, kv: Tensor, gates: Tensor, cache: Optional[dict] = None,
+                selection: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+        """The three branches mixed by their gates: q [b, h, g, n, d], kv [6, b, h, n, d] (compressed,
+        selected, window keys and values), gate logits [3, b, h, g, n, 1] -> [b, h, g, n, d].
+        selection: the free blocks' (scores, indices) when already chosen."""
+        b, h, g, m, d = q.shape
+        start = 0 if cache is None else cache.get("pos", 0)
         k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
         q_rot = self.rotary(q.flatten(1, 2), start).view_as(q)
-        k_slc, k_win = self.rotary(k_slc, start), self.rotary(k_win, start)
+        k_slc, k_win = self.rotary(torch.stack((k_slc, k_win)), start)
         if cache is not None:
             k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc = self._extend_cache(
                 cache, start, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
         else:
             kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)
-
-        free = max(0, min(self.num_selected - self._num_forced(), -(-k_slc.shape[2] // self.fine_block)))
-        out_cmp, scores, indices = compressed_attention(
-            q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.compress_k.block,
-            self.compress_k.stride, self.fine_block, lambda importance, first: self._choose(importance, first, free),
-            importance_grad=self.diff_topk and torch.is_grad_enabled())
+        if selection is None:
+            out_cmp, scores, indices = compressed_attention(
+                q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.compress_k.block,
+                self.compress_k.stride, self.fine_block, self._chooser(k_slc.shape[2]),
+                importance_grad=self.diff_topk and torch.is_grad_enabled())
+        else:
+            out_cmp = causal_block_attention(q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1),
+                                             self.compress_k.block, self.compress_k.stride)
+            scores, indices = selection
         out_cmp = out_cmp.view_as(q)
-        scores, indices = scores.view(b, self.kv_heads, m, -1), indices.view(b, self.kv_heads, m, -1)
+        scores, indices = scores.view(b, h, m, -1), indices.view(b, h, m, -1)
         out_slc = self._selected(q_rot, k_slc, v_slc, scores, indices, start)
         out_win = self._window(q_rot, k_win, v_win, start)
+        gates = torch.sigmoid(gates)
+        return gates[0] * out_cmp + gates[1] * out_slc + gates[2] * out_win
 
-        gates = torch.sigmoid(self.to_gates(x))  # [b, n, 3 * heads]
-        gates = rearrange(gates, "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
-        out = gates[0] * out_cmp + gates[1] * out_slc + gates[2] * out_win
-        return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
+    @torch.no_grad()
+    def _selection(self, q: Tensor, k_cmp: Tensor) -> tuple[Tensor, Tensor]:
+        """The free blocks of a training forward, chosen from position 0: (scores, indices) [bh, n, free]."""
+        kc = self.compress_k(k_cmp)
+        return block_selection(q.flatten(0, 1), kc.flatten(0, 1), 0, self.compress_k.block, self.compress_k.stride,
+                               self.fine_block, self._chooser(k_cmp.shape[2]))
+
+    def _chooser(self, seq_k: int):
+        """choose(importance, first) for compressed attention: as many free blocks as fit, at every position."""
+        free = max(0, min(self.num_selected - self._num_forced(), -(-seq_k // self.fine_block)))
+        return lambda importance, first: self._choose(importance, first, free)
 
     # ---- selected branch -------------------------------------------------------------------------
 

@@ -1,5 +1,4 @@
-"""NSA's selected-block attention as Triton kernels, same signature and results as the reference
-in kernels/selected_attention.py.
+"""NSA's selected-block attention as Triton kernels, same signature and results as reference.py.
 
 Group-centric, as the paper's kernel: one program per (batch * kv_head, query position) loads all
 query heads of the GQA group at that position together and walks the position's selected blocks,
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.selected_attention import triton_interpreting
+from kernels import triton_interpreting
 
 
 def check_supported(q: Tensor, block: int) -> None:

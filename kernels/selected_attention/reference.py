@@ -1,4 +1,4 @@
-"""NSA's selected-block attention in plain PyTorch: the reference any kernel must match.
+"""NSA's selected-block attention in plain PyTorch, chunk by chunk (the CPU path).
 
 Each query position attends, with all query heads of its GQA group together, to the keys of the
 `num_selected` fine blocks chosen for that position and group. Blocks are gathered by index one
@@ -10,9 +10,6 @@ rows and are sized to stay in cache: a gather is a memory copy, and a cache-resi
 eight times cheaper on a CPU than one streamed through DRAM.
 """
 
-import os
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -20,47 +17,6 @@ from torch import Tensor
 # gathered key elements per chunk, sized to stay in cache (the backward holds twice as much)
 _FORWARD_CHUNK = 1 << 20
 _BACKWARD_CHUNK = 1 << 19
-
-
-def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int,
-                       block: int, kernel: str = "torch", weights: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Attention of each query over its selected blocks of keys, causal within the blocks.
-
-    q        [batch_kv, seq_q, group, dim_head]  queries of one GQA group (batch * kv_heads first)
-    k, v     [batch_kv, seq_k, dim_head]         keys and values from position 0
-    indices  [batch_kv, seq_q, num_selected]     fine-block indices per query position (int64)
-    valid    [batch_kv, seq_q, num_selected]     False where a selection slot is unused
-    start    position of the first query (seq_k - seq_q when decoding, 0 in training)
-    block    fine block size
-    weights  [batch_kv, seq_q, num_selected] or None: slot s's share of the output is multiplied by
-             weights[..., s] (the probabilities stay those of one softmax over all slots); NSA's
-             differentiable selection passes straight-through factors, 1 in value
-    returns  out [batch_kv, seq_q, group, dim_head] and its log-sum-exp [batch_kv, seq_q, group],
-             so that partial attentions over disjoint key sets can be merged exactly
-
-    Keys after a query's own position are masked (-inf) even inside a selected block. A query with
-    no visible key gets zeros and a log-sum-exp of -inf (never NaN).
-
-    kernel: "torch" (this reference), "triton" (kernels/selected_attention_triton.py), or "auto"
-    (Triton on CUDA, the reference elsewhere).
-    """
-    if kernel == "auto":
-        kernel = "triton" if q.is_cuda else "torch"
-    if kernel == "triton":
-        from kernels.selected_attention_triton import TritonSelectedAttention
-
-        return TritonSelectedAttention.apply(q, k, v, indices, valid, start, block, weights)
-    return _SelectedAttention.apply(q, k, v, indices, valid, start, block, weights)
-
-
-def triton_interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (on CPU tensors) rather than compiling them."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def triton_runnable() -> bool:
-    """Whether the Triton kernel can run here: on CUDA, or in Triton's interpreter."""
-    return torch.cuda.is_available() or triton_interpreting()
 
 
 def _block_table(x: Tensor, block: int) -> Tensor:
@@ -114,7 +70,7 @@ def _accumulate(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-class _SelectedAttention(torch.autograd.Function):
+class SelectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, valid, start, block, weights):
         bh, m, g, d = q.shape
@@ -165,8 +121,9 @@ class _SelectedAttention(torch.autograd.Function):
             dscores = (probs * (dprobs - delta[r, :, None]) * scale).to(q.dtype)
             dq[r] = torch.bmm(dscores, kg)
             flat = rows.indices[r].flatten()
-            dkg = torch.bmm(dscores.transpose(1, 2), qf[r])
-            dvg = torch.bmm(weighted.to(q.dtype).transpose(1, 2), dof[r])
+            # a transposed batch of [g, keys] matrices sends bmm into a per-matrix loop: transpose copies
+            dkg = torch.bmm(dscores.transpose(1, 2).contiguous(), qf[r])
+            dvg = torch.bmm(weighted.to(q.dtype).transpose(1, 2).contiguous(), dof[r])
             dk_table.index_add_(0, flat, dkg.view(flat.shape[0], -1))
             dv_table.index_add_(0, flat, dvg.view(flat.shape[0], -1))
         n = k.shape[1]

@@ -1,27 +1,5 @@
-"""NSA's compressed-branch attention and the fine-block selection it implies, in one pass.
-
-Query t attends to the compressed blocks complete by t (block i covers tokens
-[i * stride, i * stride + block)), all query heads of a GQA group together. The same probabilities,
-summed over the group's heads and spread onto fine blocks by token overlap, are the importance
-that ranks fine blocks for selection: the paper computes them once and reuses them, and so does
-this function. The importance of a chunk of queries is handed to the caller's `choose` as soon as
-it exists, so the [n, n / fine_block] importance of a whole sequence is never held.
-
-From position 0 (training, a prompt) the attention itself is fused flash attention: grouping
-the queries by their offset inside a stride makes the block mask exactly causal over a square
-[blocks, blocks] problem (query t = block - 1 + s * stride + o sees blocks 0..s), and the
-importance is one forward-only pass over chunks of queries. Otherwise (after a cache, or when the
-importance must pass gradient) both come from one chunked pass. A chunk reads only the blocks
-complete by its last query (nothing past it is computed) and masks only the few blocks that its
-earlier queries cannot see yet, from positions. The backward pass recomputes each chunk's
-probabilities (as flash attention does), so what is kept for it is q and the compressed keys and
-values: O(n), never O(n^2 / stride).
-
-Spreading onto fine blocks is a banded sum, not a [compressed, fine] product: tokens are cut into
-segments of u = gcd(block, stride, fine_block) tokens; compressed block i spreads its probability
-evenly over its block / u segments, and a fine block sums its fine_block / u segments. That is the
-token-overlap fraction exactly, in O(blocks * block / u) per query.
-"""
+"""NSA's compressed attention and block importance chunk by chunk in plain PyTorch: the pass that
+serves decoding, differentiable selection and the importance of a training step (see __init__.py)."""
 
 from bisect import bisect_right
 from math import gcd
@@ -30,10 +8,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-# choose(importance [bh, chunk, fine blocks up to the chunk's last query], first position)
-#   -> (scores, indices) [bh, chunk, selected]
-Choose = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
 # score elements (fp32) per chunk: large enough for efficient products, small enough for the cache
 _CHUNK_ELEMENTS = 1 << 20
@@ -44,48 +18,7 @@ def visible_blocks(positions: Tensor, block: int, stride: int, num_blocks: int) 
     return ((positions + 1 - block).div(stride, rounding_mode="floor") + 1).clamp(0, num_blocks)
 
 
-def compressed_attention(q: Tensor, kc: Tensor, vc: Tensor, start: int, block: int, stride: int,
-                         fine_block: int, choose: Choose, importance_grad: bool = False
-                         ) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention over the complete compressed blocks, and the fine blocks `choose` picks by importance.
-
-    q        [batch_kv, group, seq_q, dim_head]  queries of one GQA group (batch * kv_heads first)
-    kc, vc   [batch_kv, blocks, dim_head]        compressed keys and values, blocks from 0
-    start    position of the first query
-    choose   called per chunk of queries with their importance [batch_kv, chunk, fine blocks] (fp32:
-             the probability mass on each fine block up to the chunk's last query, summed over the
-             group, so each row sums to `group`, or 0 before the first complete block) and the
-             chunk's first position; returns (scores, indices) [batch_kv, chunk, selected]
-    returns  out [batch_kv, group, seq_q, dim_head] (zeros where no block is complete yet), and the
-             scores and indices [batch_kv, seq_q, selected] that `choose` gave
-
-    importance_grad: the scores pass gradient to q and kc (differentiable selection); otherwise
-    they are constants.
-    """
-    layout = _Layout(q, kc.shape[1], start, block, stride, fine_block)
-    if start == 0 and not importance_grad:
-        with torch.no_grad():
-            _, scores, indices = _chunked_pass(q * q.shape[-1] ** -0.5, kc.to(q.dtype), vc, layout, choose, False)
-        return _flash_from_start(q, kc, vc, block, stride), scores, indices
-    return _CompressedAttention.apply(q, kc, vc, layout, choose, importance_grad)
-
-
-def _flash_from_start(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int) -> Tensor:
-    """The attention for queries from position 0, as causal flash attention over rows of blocks:
-    [bh, g, seq, d] -> [bh, g, seq, d], zeros before the first complete block."""
-    bh, g, m, d = q.shape
-    first, blocks = min(m, block - 1), kc.shape[1]
-    if blocks == 0:
-        return torch.zeros_like(q)
-    rows = F.pad(q[:, :, first:], (0, 0, 0, blocks * stride - (m - first)))
-    rows = rows.view(bh, g, blocks, stride, d).transpose(2, 3).reshape(bh, g * stride, blocks, d)
-    out = F.scaled_dot_product_attention(rows, kc[:, None].to(q.dtype), vc[:, None].to(q.dtype), is_causal=True,
-                                         enable_gqa=True)
-    out = out.view(bh, g, stride, blocks, d).transpose(2, 3).reshape(bh, g, blocks * stride, d)[:, :, : m - first]
-    return F.pad(out, (0, 0, first, 0))
-
-
-class _Layout:
+class Layout:
     """Chunks of queries with the blocks each may see (the leading queries that see no block are
     skipped), and the banded map from block probabilities to fine-block importance."""
 
@@ -140,7 +73,7 @@ class _Layout:
         return out.div_(self.per_block)
 
 
-def _chunked_pass(q_scaled: Tensor, kc: Tensor, vc: Tensor, layout: _Layout, choose: Choose,
+def _chunked_pass(q_scaled: Tensor, kc: Tensor, vc: Tensor, layout: Layout, choose: Callable,
                   with_output: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The output (if asked for) and the chosen blocks, chunk by chunk."""
     bh, g, m, d = q_scaled.shape
@@ -169,7 +102,7 @@ def _strided_sum(x: Tensor, width: int) -> Tensor:
     return out
 
 
-class _CompressedAttention(torch.autograd.Function):
+class CompressedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kc, vc, layout, choose, importance_grad):
         q_scaled = q * q.shape[-1] ** -0.5
@@ -206,3 +139,10 @@ class _CompressedAttention(torch.autograd.Function):
             dq[:, :, c0:c1] = torch.bmm(dlogits, kc[:, :k1]).view(bh, g, size, d)
             dkc[:, :k1] += torch.bmm(dlogits.transpose(1, 2), q_scaled[:, :, c0:c1].reshape(bh, g * size, d))
         return dq * d**-0.5, dkc, dvc, None, None, None
+
+
+@torch.no_grad()
+def select(q: Tensor, kc: Tensor, layout: Layout, choose: Callable) -> tuple[Tensor, Tensor]:
+    """The importance pass alone, without gradient: what `choose` picks -> scores, indices."""
+    _, scores, indices = _chunked_pass(q * q.shape[-1] ** -0.5, kc.to(q.dtype), None, layout, choose, False)
+    return scores, indices
