@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from experiments import launch
+from experiments.throughput import peak_memory_mb
 from experiments.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -283,20 +284,6 @@ def reset_peak_memory(device: torch.device) -> None:
     except OSError:
         pass  # elsewhere the peak is the process's since its start
 
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def parallel_job_slot():

@@ -87,16 +87,15 @@ def autocast(precision: str):
 
 def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, extra: list[str],
             precision: str = "fp32", profile: bool = False) -> dict:
-    """One model's training-step figures, measured in this process."""
-    import resource
-
+    """One model's training-step figures, measured in this process; the peak memory is that of the
+    timed steps (model, optimizer state, activations), not of the FLOP counting after them."""
     import torch
     import torch.nn.functional as F
     from hydra.utils import instantiate
 
     from experiments.data import ByteText
     from experiments.run import Run
-    from experiments.throughput import matmul_peak_flops, training_flops_per_token
+    from experiments.throughput import matmul_peak_flops, peak_memory_mb, reset_peak_memory, training_flops_per_token
 
     cfg, model, forward = build(model_name, seq, threads, extra)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
@@ -111,7 +110,9 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    reset_peak_memory(torch.device("cpu"))
     step_s = median_seconds(step, steps)
+    peak_mb = peak_memory_mb(torch.device("cpu"))
     if profile:
         print_profile(step)
 
@@ -139,7 +140,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         "params": sum(p.numel() for p in model.parameters()),
         "step_s": round(step_s, 3),
         "tokens_per_s": round(tok_s, 1),
-        "peak_mem_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_mem_mb": round(peak_mb, 1),
         "gflop_per_token": None if reference else round(flops / 1e9, 4),
         "mfu": None if reference else round(tok_s * flops / peak, 3),
         "matmul_peak_gflops": round(peak / 1e9, 1),
@@ -151,12 +152,11 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
 def measure_decode(model_name: str, context: int, batch: int, steps: int, threads: int, extra: list[str],
                    precision: str = "fp32", profile: bool = False) -> dict:
     """Greedy decoding figures after a cache of `context` tokens, measured in this process: the
-    tokens/s of one decoding step (median of `steps`), and the prompt's time."""
-    import resource
-
+    tokens/s of one decoding step (median of `steps`), the prompt's time, and the peak memory of both."""
     import torch
 
     from experiments.data import ByteText
+    from experiments.throughput import peak_memory_mb, reset_peak_memory
 
     cfg, model, _ = build(model_name, context + steps + 2, threads, extra)
     if model_name.startswith("ref:"):
@@ -164,6 +164,7 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
     model.eval()
     data = ByteText(seq_len=context, cache_dir=cfg.data.cache_dir)
     prompt = data.train_batch(batch, seed=0, step=0)[:, :context]
+    reset_peak_memory(torch.device("cpu"))
     with torch.no_grad(), autocast(precision):
         cache = model.new_cache()
         t0 = time.perf_counter()
@@ -175,6 +176,7 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
             token = model(token, cache=cache)[:, -1:].argmax(-1)
 
         step_s = median_seconds(step, steps)
+        peak_mb = peak_memory_mb(torch.device("cpu"))
         if profile:
             print_profile(step)
     return {
@@ -186,7 +188,7 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
         "step_s": round(step_s, 5),
         "tokens_per_s": round(batch / step_s, 1),
         "prompt_s": round(prompt_s, 3),
-        "peak_mem_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_mem_mb": round(peak_mb, 1),
     }
 
 
@@ -323,6 +325,7 @@ def print_table(table: list[dict], args) -> None:
 def plot_scaling(table: list[dict], path: Path, args) -> None:
     """tokens/s and peak memory against length, log-log, one line per model."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -336,15 +339,17 @@ def plot_scaling(table: list[dict], path: Path, args) -> None:
         seqs = [r["seq"] for r in rows]
         speed.plot(seqs, [r["tokens_per_s"] for r in rows], marker="o", label=name)
         memory.plot(seqs, [r["peak_mem_mb"] for r in rows], marker="o", label=name)
-    what = "decoding, after a cache of" if args.decode else "training,"
+    what = "one decoding step after a cache" if args.decode else "training step"
     for ax, label in ((speed, "tokens/s"), (memory, "peak memory (MB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
         ax.set_xlabel("context (tokens)" if args.decode else "sequence length (tokens)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{what} batch {args.batch}, {args.precision}, {args.threads} threads: "
+    fig.suptitle(f"{what}, batch {args.batch}, {args.precision}, {args.threads} threads: "
                  f"{device_name(torch.device('cpu'))}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -59,11 +59,10 @@ def reference():
 
 
 def measure(name: str, steps: int, threads: int, ff_mult: float) -> dict:
-    import resource
-
     import torch
 
     from experiments.benchmark import median_seconds
+    from experiments.throughput import peak_memory_mb
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -81,7 +80,7 @@ def measure(name: str, steps: int, threads: int, ff_mult: float) -> dict:
     tokens = BATCH * (TEXT_SEQ_LEN + (VAE["image_size"] // 2 ** VAE["num_layers"]) ** 2)
     return {"model": name, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
             "params": sum(p.numel() for p in dalle.parameters() if p.requires_grad),
-            "peak_mem_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_mem_mb": round(peak_memory_mb(torch.device("cpu")), 1)}
 
 
 def main() -> None:

@@ -66,6 +66,35 @@ def device_name(device: torch.device) -> str:
     return names[0] if names else (platform.processor() or platform.machine())
 
 
+def peak_memory_mb(device: torch.device) -> float:
+    """The most memory this process has held since it started or since reset_peak_memory: the
+    GPU's allocations on CUDA, the resident set elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start peak_memory_mb afresh from what is held now (Linux and CUDA; a no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the resident set's high-water mark
+    except OSError:
+        pass
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -89,13 +89,13 @@ class SelectedAttention(torch.autograd.Function):
             if slot_weights is not None:
                 probs = probs * slot_weights[r]
             out[r] = torch.bmm(probs.to(q.dtype), rows.gather(v_table, r))
-        ctx.save_for_backward(q, k, v, indices, valid, out, lse, weights)
+        ctx.save_for_backward(q, k, v, indices, valid, lse, weights)
         ctx.start, ctx.block = start, block
         return out.view(bh, m, g, d), lse.view(bh, m, g)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, indices, valid, out, lse, weights = ctx.saved_tensors
+        q, k, v, indices, valid, lse, weights = ctx.saved_tensors
         bh, m, g, d = q.shape
         scale = d**-0.5
         rows = _Rows(q, indices, valid, ctx.start, ctx.block, k.shape[1], _BACKWARD_CHUNK)
@@ -105,10 +105,8 @@ class SelectedAttention(torch.autograd.Function):
         dk_table, dv_table = torch.zeros_like(k_table), torch.zeros_like(v_table)
         qf, dof = q.reshape(bh * m, g, d), dout.reshape(bh * m, g, d)
         dq = torch.empty_like(qf)
-        # dS = P * (dP - rowsum(dO * O) + dlse): the log-sum-exp output adds its own gradient
-        delta = (_accumulate(dof) * _accumulate(out)).sum(-1)  # [rows, g]
-        if dlse is not None:
-            delta = delta - _accumulate(dlse).reshape(bh * m, g)
+        # dS = P * (dP - rowsum(dO * O) + dlse), with rowsum(dO * O) = rowsum(P * dP) taken per chunk
+        dlse = None if dlse is None else _accumulate(dlse).reshape(bh * m, g)
         for r in rows.chunks():
             kg, vg = rows.gather(k_table, r), rows.gather(v_table, r)
             scores = _accumulate(torch.bmm(qf[r], kg.transpose(1, 2))) * scale
@@ -118,12 +116,14 @@ class SelectedAttention(torch.autograd.Function):
             if slot_weights is not None:  # out = sum_s w_s P_s V_s: w_s gets sum(P_s * dP_s)
                 dweights[r] = (probs * dprobs).sum(1).view(probs.shape[0], -1, ctx.block).sum(-1)
                 weighted, dprobs = probs * slot_weights[r], dprobs * slot_weights[r]
-            dscores = (probs * (dprobs - delta[r, :, None]) * scale).to(q.dtype)
+            delta = (probs * dprobs).sum(-1, keepdim=True)  # dprobs carries the slot weights here
+            if dlse is not None:
+                delta -= dlse[r, :, None]
+            dscores = (probs * (dprobs - delta) * scale).to(q.dtype)
             dq[r] = torch.bmm(dscores, kg)
             flat = rows.indices[r].flatten()
-            # a transposed batch of [g, keys] matrices sends bmm into a per-matrix loop: transpose copies
-            dkg = torch.bmm(dscores.transpose(1, 2).contiguous(), qf[r])
-            dvg = torch.bmm(weighted.to(q.dtype).transpose(1, 2).contiguous(), dof[r])
+            dkg = torch.bmm(dscores.transpose(1, 2), qf[r])
+            dvg = torch.bmm(weighted.to(q.dtype).transpose(1, 2), dof[r])
             dk_table.index_add_(0, flat, dkg.view(flat.shape[0], -1))
             dv_table.index_add_(0, flat, dvg.view(flat.shape[0], -1))
         n = k.shape[1]

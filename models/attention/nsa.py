@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kernels.compressed_attention import block_selection, causal_block_attention, compressed_attention
 from kernels.selected_attention import selected_attention, triton_runnable
@@ -117,14 +117,16 @@ class NativeSparseAttention(nn.Module):
 
         In training the branches are recomputed in the backward pass from the projections (as
         flash attention recomputes its probabilities), so a layer keeps O(n) activations: x, the
-        query and key/value projections and the gates, no less lean than dense attention. Block
-        selection needs no gradient (unless diff_topk), so it runs once, outside the recomputation."""
+        query and key/value projections, the gates and the compressed branch's output, no more
+        than dense attention keeps. Block selection needs no gradient (unless diff_topk), so it
+        runs once, outside the recomputation."""
         q = rearrange(self.to_q(x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
         kv = rearrange(self.to_kv(x), "b n (s h d) -> s b h n d", s=2 * BRANCHES, h=self.kv_heads)
         gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
         if cache is None and torch.is_grad_enabled():
             selection = None if self.diff_topk else self._selection(q, kv[0])
-            out = checkpoint(self._attend, q, kv, gates, None, selection, use_reentrant=False)
+            out = checkpoint(self._attend, q, kv, gates, None, selection, use_reentrant=False,
+                             context_fn=_keep_causal_attention)
         else:
             out = self._attend(q, kv, gates, cache)
         return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
@@ -297,6 +299,19 @@ class NativeSparseAttention(nn.Module):
                                                                                 (1, self.compress_v)))
         kc, vc = kv_cache.append(blocks, done, kc=kc, vc=vc)
         return (*raw, kc, vc)
+
+
+def _keep_causal_attention():
+    """Recompute everything but causal fused attention (the compressed branch, the costliest
+    forward to repeat), whose outputs are kept: a selective-checkpoint context."""
+    def policy(ctx, op, *args, **kwargs):
+        names = [a.name for a in op._schema.arguments]
+        causal = "is_causal" in names and (kwargs["is_causal"] if "is_causal" in kwargs
+                                           else len(args) > names.index("is_causal") and args[names.index("is_causal")])
+        keep = "scaled_dot_product" in op._schema.name and causal
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _gathered_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int,

@@ -2,9 +2,9 @@
 a fixed block of initial keys (a sink): NSA's forced selected blocks in training (tile = fine
 block; own, previous and initial block), whose log-sum-exp merges them with the freely chosen ones.
 
-Only q, k, v, the output and the log-sum-exp are kept for the backward pass, which rebuilds each
-tile's keys and recomputes its probabilities, as flash attention does: memory stays O(n) and no
-[n, n] or per-tile copy of the keys outlives the call. Masks come from positions through a rule
+Only q, k, v and the log-sum-exp are kept for the backward pass, which rebuilds each tile's keys
+and recomputes its probabilities, as flash attention does: memory stays O(n) and no [n, n] or
+per-tile copy of the keys outlives the call. Masks come from positions through a rule
 `visible(query_pos, key_pos) -> bool`, broadcast over the heads of a GQA group, never repeated.
 """
 
@@ -84,34 +84,29 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, tile, visible, sink):
         bh, g, n, d = q.shape
         tiles = _Tiles(n, tile, visible, sink, q.device)
-        q_scaled = q * d**-0.5
-        scores = tiles.scores(tiles.queries(q_scaled), tiles.keys(k), g)
+        scores = tiles.scores(tiles.queries(q) * d**-0.5, tiles.keys(k), g)
         lse = scores.logsumexp(-1)
         probs = (scores - lse[..., None]).exp_()
-        out = probs.to(v.dtype).flatten(2, 3) @ tiles.keys(v)
-        out, lse = tiles.untile(out, g), tiles.untile(lse.flatten(2, 3), g)
-        ctx.save_for_backward(q_scaled, k, v, out, lse)
+        out = tiles.untile(probs.to(v.dtype).flatten(2, 3) @ tiles.keys(v), g)
+        ctx.save_for_backward(q, k, v, lse)
         ctx.tiles = tiles
-        return out, lse
+        return out, tiles.untile(lse.flatten(2, 3), g)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q_scaled, k, v, out, lse = ctx.saved_tensors
+        q, k, v, lse = ctx.saved_tensors  # lse in the tile layout [bh, tiles, g, tile]
         tiles = ctx.tiles
-        bh, g, n, d = q_scaled.shape
-        qt, kt, vt = tiles.queries(q_scaled), tiles.keys(k), tiles.keys(v)
+        bh, g, n, d = q.shape
+        qt, kt, vt = tiles.queries(q) * d**-0.5, tiles.keys(k), tiles.keys(v)
         dot = tiles.queries(dout.to(v.dtype))
-        # dS = P * (dP - rowsum(dO * O) + dlse): the log-sum-exp output adds its own gradient
-        accumulate = torch.promote_types(out.dtype, torch.float32)
-        delta = (dout.to(accumulate) * out.to(accumulate)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(accumulate)
-        lse_t = tiles.queries(lse[..., None]).view(bh, tiles.count, g, tiles.tile, 1)
-        delta_t = tiles.queries(delta[..., None]).view(bh, tiles.count, g, tiles.tile, 1)
-        probs = (tiles.scores(qt, kt, g) - lse_t).exp_()
+        probs = (tiles.scores(qt, kt, g) - lse[..., None]).exp_()
         dprobs = (dot @ vt.transpose(-1, -2)).view_as(probs).to(probs.dtype)
+        # dS = P * (dP - rowsum(P * dP) + dlse): the log-sum-exp output adds its own gradient
+        delta = (probs * dprobs).sum(-1, keepdim=True)
+        if dlse is not None:
+            delta -= tiles.queries(dlse[..., None]).view(bh, tiles.count, g, tiles.tile, 1).to(delta.dtype)
         dvt = probs.to(v.dtype).flatten(2, 3).transpose(-1, -2) @ dot
-        dscores = (probs * (dprobs - delta_t)).to(q_scaled.dtype).flatten(2, 3)
+        dscores = (probs * (dprobs - delta)).to(q.dtype).flatten(2, 3)
         dq = tiles.untile(dscores @ kt, g) * d**-0.5
         dkt = dscores.transpose(-1, -2) @ qt
         return dq, _fold(dkt, tiles, k), _fold(dvt, tiles, v), None, None, None
