@@ -113,29 +113,51 @@ class NativeSparseAttention(nn.Module):
         self.rotary = Rotary(dim_head)
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
-        """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens.
-
-        In training the branches are recomputed in the backward pass from the projections (as
-        flash attention recomputes its probabilities), so a layer keeps O(n) activations: x, the
-        query and key/value projections, the gates and the compressed branch's output, no more
-        than dense attention keeps. Block selection needs no gradient (unless diff_topk), so it
-        runs once, outside the recomputation."""
+        """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens."""
         q = rearrange(self.to_q(x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
         kv = rearrange(self.to_kv(x), "b n (s h d) -> s b h n d", s=2 * BRANCHES, h=self.kv_heads)
         gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
-        if cache is None and torch.is_grad_enabled():
-            selection = None if self.diff_topk else self._selection(q, kv[0])
-            out = checkpoint(self._attend, q, kv, gates, None, selection, use_reentrant=False,
-                             context_fn=_keep_causal_attention)
-        else:
+        if cache is not None or not torch.is_grad_enabled():
             out = self._attend(q, kv, gates, cache)
+        elif self.diff_topk:  # selection passes gradient: the branches recompute together
+            out = checkpoint(self._attend, q, kv, gates, use_reentrant=False)
+        else:
+            out = self._train(q, kv, gates)
         return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
 
-    def _attend(self, q: Tensor, kv: Tensor, gates: Tensor, cache: Optional[dict] = None,
-                selection: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
-        """The three branches mixed by their gates: q [b, h, g, n, d], kv [6, b, h, n, d] (compressed,
-        selected, window keys and values), gate logits [3, b, h, g, n, 1] -> [b, h, g, n, d].
-        selection: the free blocks' (scores, indices) when already chosen."""
+    def _train(self, q: Tensor, kv: Tensor, gates: Tensor) -> Tensor:
+        """The training forward: each branch, gated, is recomputed on its own in the backward pass
+        (as flash attention recomputes its probabilities), so a layer keeps x, the query and
+        key/value projections, the gates and the compressed branch's fused-attention output (less
+        than dense attention keeps), and its backward holds one branch's activations at a time.
+        Block selection needs no gradient: it runs once, outside the recomputation."""
+        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
+        scores, indices = self._selection(q, k_cmp)
+        out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
+                         context_fn=_keep_causal_attention)
+        out = out + checkpoint(self._selected_part, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
+        return out + checkpoint(self._window_part, q, k_win, v_win, gates[2], use_reentrant=False)
+
+    def _compressed_part(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, gate: Tensor) -> Tensor:
+        kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)
+        out = causal_block_attention(q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block,
+                                     self.compress_k.stride)
+        return torch.sigmoid(gate) * out.view_as(q)
+
+    def _selected_part(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, scores: Tensor, indices: Tensor) -> Tensor:
+        b, h, _, m, _ = q.shape
+        q_rot, k = self.rotary(q.flatten(1, 2)).view_as(q), self.rotary(k)
+        out = self._selected(q_rot, k, v, scores.view(b, h, m, -1), indices.view(b, h, m, -1), 0)
+        return torch.sigmoid(gate) * out
+
+    def _window_part(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor) -> Tensor:
+        q_rot, k = self.rotary(q.flatten(1, 2)).view_as(q), self.rotary(k)
+        return torch.sigmoid(gate) * self._window(q_rot, k, v, 0)
+
+    def _attend(self, q: Tensor, kv: Tensor, gates: Tensor, cache: Optional[dict] = None) -> Tensor:
+        """The three branches mixed by their gates, in one go (inference, decoding after `cache`,
+        differentiable selection): q [b, h, g, n, d], kv [6, b, h, n, d] (compressed, selected,
+        window keys and values), gate logits [3, b, h, g, n, 1] -> [b, h, g, n, d]."""
         b, h, g, m, d = q.shape
         start = 0 if cache is None else cache.get("pos", 0)
         k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
@@ -146,21 +168,13 @@ class NativeSparseAttention(nn.Module):
                 cache, start, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
         else:
             kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)
-        if selection is None:
-            out_cmp, scores, indices = compressed_attention(
-                q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.compress_k.block,
-                self.compress_k.stride, self.fine_block, self._chooser(k_slc.shape[2]),
-                importance_grad=self.diff_topk and torch.is_grad_enabled())
-        else:
-            out_cmp = causal_block_attention(q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1),
-                                             self.compress_k.block, self.compress_k.stride)
-            scores, indices = selection
-        out_cmp = out_cmp.view_as(q)
-        scores, indices = scores.view(b, h, m, -1), indices.view(b, h, m, -1)
-        out_slc = self._selected(q_rot, k_slc, v_slc, scores, indices, start)
+        out_cmp, scores, indices = compressed_attention(
+            q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.compress_k.block, self.compress_k.stride,
+            self.fine_block, self._chooser(k_slc.shape[2]), importance_grad=self.diff_topk and torch.is_grad_enabled())
+        out_slc = self._selected(q_rot, k_slc, v_slc, scores.view(b, h, m, -1), indices.view(b, h, m, -1), start)
         out_win = self._window(q_rot, k_win, v_win, start)
         gates = torch.sigmoid(gates)
-        return gates[0] * out_cmp + gates[1] * out_slc + gates[2] * out_win
+        return gates[0] * out_cmp.view_as(q) + gates[1] * out_slc + gates[2] * out_win
 
     @torch.no_grad()
     def _selection(self, q: Tensor, k_cmp: Tensor) -> tuple[Tensor, Tensor]:
