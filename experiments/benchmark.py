@@ -343,8 +343,10 @@ def plot_scaling(table: list[dict], path: Path, args) -> None:
     for ax, label in ((speed, "tokens/s"), (memory, "peak memory (MB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}")
         for axis in (ax.xaxis, ax.yaxis):
-            axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+            axis.set_major_formatter(plain)
+            axis.set_minor_formatter(plain)
         ax.set_xlabel("context (tokens)" if args.decode else "sequence length (tokens)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
