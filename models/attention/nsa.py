@@ -8,8 +8,8 @@ l' = fine_block_size, n = num_fine_selected, w = sliding_window_size.
   MLP over the block plus a learned intra-block position embedding. A block is visible to query t
   only once it is complete (its last token <= t); a query that sees no block gets zeros, not NaN.
 - selected: block importance is the compressed-attention probability summed over the query heads
-  of a GQA group and spread onto the fine blocks by token overlap (computed in the same pass as
-  the compressed branch, kernels/compressed_attention.py); each position keeps its top n fine
+  of a GQA group and spread onto the fine blocks by token overlap (from the compressed branch's
+  probabilities, kernels/compressed_attention/); each position keeps its top n fine
   blocks, always including its own block, the initial block and the previous block (in that order
   of priority). Keys after t inside its own block are masked. As in the paper, the choice of
   blocks passes no gradient, unless `diff_topk`: then each freely chosen block's share of the
@@ -18,9 +18,10 @@ l' = fine_block_size, n = num_fine_selected, w = sliding_window_size.
 - sliding window: the last w keys, t included.
 
 Cost per query: n / d compressed keys, n selected blocks and w window keys; nothing else grows
-with the sequence. In training the forced blocks and the window run as tiled attention over
-[initial | previous | own] tiles (models/attention/tiled.py), the freely chosen blocks are gathered
-(kernels/selected_attention.py); every branch keeps O(n) memory for the backward pass. Decoding
+with the sequence. In training the compressed branch and the window are fused attention, the
+forced blocks run as tiled attention over [initial | previous | own] tiles
+(models/attention/tiled.py), the freely chosen blocks are gathered (kernels/selected_attention/),
+and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. Decoding
 (queries after a cache) gathers each query's selected blocks directly: a step reads the
 compressed keys, n blocks and the window, never the whole cache.
 
