@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from kernels.compressed_attention import compressed_attention
 from kernels.compressed_attention.naive import compressed_attention as naive
 from models.attention.nsa import NativeSparseAttention
+from attention_checks import assert_truncated_cache_forgets
 from models.lm import nsa_lm
 
 KNOBS = dict(kv_heads=2, sliding_window_size=8, compress_block_size=4, compress_stride=2, fine_block_size=4,
@@ -125,6 +126,13 @@ def test_cached_decoding_equals_parallel_forward():
     pieces += [model(x[:, t : t + 1], cache=cache) for t in range(9, 30)]
     pieces.append(model(x[:, 30:], cache=cache))  # several tokens at once after a cache
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("keep", [3, 9, 16, 22])
+def test_truncated_cache_forgets_the_rolled_back_tokens(keep):
+    """Rolling the cache back (speculative decoding's rollback) forgets the later tokens and the
+    compressed blocks they completed, inside a block and at block boundaries."""
+    assert_truncated_cache_forgets(tiny_nsa(num_fine_selected=5).double(), torch.randint(0, 64, (2, 31)), keep=keep)
 
 
 @pytest.mark.parametrize("n", [1, 3, 5, 17, 33])

@@ -288,7 +288,7 @@ class NativeSparseAttention(nn.Module):
             mask = (self._window_visible(query_pos, key_pos) & (key_pos >= 0))[:, None]  # [c, 1, w, 2w]
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, dropout_p=dropout, enable_gqa=True)
             return rearrange(out, "c (b h g) w d -> b h g (c w) d", b=b, h=h)[:, :, :, :m]
-        lo = max(0, start - self.window + 1)  # decoding: the last w keys before the first query suffice
+        lo = max(0, start - w + 1)  # decoding: the last w keys before the first query suffice
         k, v = k[:, :, lo:], v[:, :, lo:]
         qpos = torch.arange(start, start + m, device=q.device)[:, None]
         mask = self._window_visible(qpos, torch.arange(lo, lo + k.shape[2], device=q.device))
@@ -340,7 +340,8 @@ def _gathered_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid:
     safe = key_pos.clamp(max=k.shape[2] - 1)
     heads = (torch.arange(b, device=q.device)[:, None, None, None], torch.arange(h, device=q.device)[None, :, None, None])
     keys, values = k[heads + (safe,)], v[heads + (safe,)]  # [b, h, m, keys, d]
-    scores = torch.einsum("bhgmd,bhmkd->bhgmk", q, keys).float() * d**-0.5
+    scores = torch.einsum("bhgmd,bhmkd->bhgmk", q, keys)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * d**-0.5
     probs = scores.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1)
     return torch.einsum("bhgmk,bhmkd->bhgmd", probs.to(q.dtype), values)
 

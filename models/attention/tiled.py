@@ -26,7 +26,7 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tile: int, visible: Rule, s
     q [batch_kv, group, seq, dim_head]; k, v [batch_kv, seq, dim_head]
     visible(query_pos [..., 1], key_pos [..., 1, keys]) -> bool [..., queries, keys]; it must allow
     each query its own position
-    returns out [batch_kv, group, seq, dim_head] and the log-sum-exp [batch_kv, group, seq] (fp32),
+    returns out [batch_kv, group, seq, dim_head] and the log-sum-exp [batch_kv, group, seq] (fp32 at least),
     so that attentions over disjoint key sets can be merged exactly
     """
     return _TiledAttention.apply(q, k, v, tile, visible, sink)
