@@ -1,4 +1,4 @@
-"""Compose the config, instantiate its parts, hand them to the task.
+"""Compose the config, instantiate its parts, hand them to the training loop.
 
     python train.py                                   # NSA LM on the built-in corpus
     python train.py model=transformer trainer.max_steps=50
@@ -11,15 +11,18 @@ Heavy imports (torch, the models) happen inside main, so `--help` stays fast.
 import hydra
 from omegaconf import DictConfig
 
-import experiments.schema  # noqa: F401  (registers the config schemas before composition)
+from experiments.config import register
+
+register()  # the config schemas, before Hydra composes
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from experiments import launch
-    from experiments.build import build
-    from experiments.checks import check_trainer
-    from experiments.run import Run
+    from experiments.config.checks import check_trainer
+    from experiments.runtime import launch
+    from experiments.runtime.build import build
+    from experiments.runtime.run import Run
+    from experiments.tasks.loop import Loop
 
     with Run.from_hydra(is_main=launch.rank() == 0) as run:
         check_trainer(cfg.trainer)
@@ -29,23 +32,16 @@ def main(cfg: DictConfig) -> float | None:
         data = build(cfg.data, "data")
         # the model, and a draft (speculative decoding) or a VAE (DALL-E) where the config has one
         models = {slot: build(cfg[slot], slot) for slot in ("model", "draft", "vae") if cfg[slot] is not None}
-        run.result = task(
-            run=run,
-            cfg=cfg,
-            backend=backend,
-            data=data,
-            optimizer=build(cfg.optimizer, "optimizer"),
-            schedule=build(cfg.schedule, "schedule"),
-            tracker=build(cfg.tracker, "tracker"),
-            **models,
-        )
+        loop = Loop(task, run=run, cfg=cfg, backend=backend, data=data, optimizer=build(cfg.optimizer, "optimizer"),
+                    schedule=build(cfg.schedule, "schedule"), tracker=build(cfg.tracker, "tracker"), models=models)
+        run.result = loop.train()
     return run.result
 
 
 if __name__ == "__main__":
     import sys
 
-    from experiments.launch import prepare_argv
+    from experiments.runtime.launch import prepare_argv
 
     # a launcher's --local_rank, and one run directory for every rank, before Hydra parses argv
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]

@@ -64,7 +64,9 @@ def build(model_name: str, seq: int, threads: int, extra: list[str]):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    import experiments.schema  # noqa: F401
+    from experiments.config import register
+
+    register()
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -93,9 +95,9 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
     import torch.nn.functional as F
     from hydra.utils import instantiate
 
-    from experiments.data import ByteText
-    from experiments.run import Run
-    from experiments.throughput import matmul_peak_flops, peak_memory_mb, reset_peak_memory, training_flops_per_token
+    from experiments.data.text import ByteText
+    from experiments.runtime.run import Run
+    from experiments.runtime.throughput import matmul_peak_flops, peak_memory_mb, reset_peak_memory, training_flops_per_token
 
     cfg, model, forward = build(model_name, seq, threads, extra)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
@@ -155,8 +157,8 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
     tokens/s of one decoding step (median of `steps`), the prompt's time, and the peak memory of both."""
     import torch
 
-    from experiments.data import ByteText
-    from experiments.throughput import peak_memory_mb, reset_peak_memory
+    from experiments.data.text import ByteText
+    from experiments.runtime.throughput import peak_memory_mb, reset_peak_memory
 
     cfg, model, _ = build(model_name, context + steps + 2, threads, extra)
     if model_name.startswith("ref:"):
@@ -260,7 +262,7 @@ def main() -> None:
 
     import torch
 
-    from experiments.throughput import device_name
+    from experiments.runtime.throughput import device_name
 
     print(f"{device_name(torch.device('cpu'))}, {args.threads} threads, {args.precision}, "
           f"{'decoding after a cache' if args.decode else 'training step'}", flush=True)
@@ -331,7 +333,7 @@ def plot_scaling(table: list[dict], path: Path, args) -> None:
     import matplotlib.pyplot as plt
     import torch
 
-    from experiments.throughput import device_name
+    from experiments.runtime.throughput import device_name
 
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in dict.fromkeys(r["model"] for r in table):

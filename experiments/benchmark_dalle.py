@@ -32,7 +32,7 @@ def ours(ff_mult: float = 4.0):
     from models.dalle import DALLE as Dalle
     from models.dvae import DiscreteVAE
 
-    vae = DiscreteVAE(**VAE).eval()
+    vae = DiscreteVAE(**VAE, num_resnet_blocks=0, temperature=0.9, anneal_rate=0.0).eval()
     dalle = Dalle(**DALLE, num_text_tokens=TEXT_TOKENS, text_seq_len=TEXT_SEQ_LEN, num_image_tokens=vae.num_tokens,
                   image_fmap_size=vae.fmap_size, ff_mult=ff_mult)
 
@@ -62,7 +62,7 @@ def measure(name: str, steps: int, threads: int, ff_mult: float) -> dict:
     import torch
 
     from experiments.benchmark import median_seconds
-    from experiments.throughput import peak_memory_mb
+    from experiments.runtime.throughput import peak_memory_mb
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -65,7 +65,8 @@ def speculative(run: Path, gamma: int, length: int, primes: int, temperature: fl
     import torch
     from hydra.utils import instantiate
 
-    from experiments.speculative import compare_decoding, load_pair
+    from experiments.speculative import load_pair
+    from experiments.tasks.speculative import compare_decoding
     from models.sampling import generate
 
     torch.set_num_threads(threads)

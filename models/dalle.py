@@ -34,10 +34,9 @@ from models.attention.nsa import NativeSparseAttention
 from models.attention.routing import RoutingAttention
 from models.attention.sinkhorn import SinkhornAttention
 from models.sampling import decoding_linears, sample
-from models.transformer import FeedForward, TransformerLM
+from models.transformer import IGNORE, FeedForward, TransformerLM
 
 PAD = 0  # the text padding id, also the sequence's first (bos) token
-IGNORE = -100
 MASKED_TYPES = ("full", "axial_row", "axial_col", "conv_like")
 SPARSE_TYPES = {"nsa": NativeSparseAttention, "sinkhorn": SinkhornAttention, "routing": RoutingAttention}
 

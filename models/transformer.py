@@ -20,6 +20,8 @@ from torch import Tensor, nn
 
 from models.reversible import reversible_stack
 
+IGNORE = -100  # a target the training losses skip (cross_entropy's ignore_index)
+
 AttentionFactory = Callable[[], nn.Module]
 
 

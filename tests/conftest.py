@@ -1,124 +1,25 @@
-"""Shared helpers: composing configs in-process, and running train.py as a user would."""
+"""Fixtures for every test, and the environment they run in (the run helpers: tests/helpers/runs.py)."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.runs import ROOT
 
 # without a GPU, Triton kernels run in its interpreter on CPU tensors (set before triton is imported)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
-
-# the smallest run that exercises every part of the loop: a "debug model" every feature test uses
-TINY = [
-    "model.dim=32",
-    "model.depth=1",
-    "model.heads=2",
-    "model.dim_head=16",
-    "data.seq_len=32",
-    "trainer.batch_size=2",
-    "trainer.val_batches=2",
-    "trainer.log_every=1",
-    "trainer.progress=false",
-    "trainer.threads=1",
-    "task.prime_length=8",
-    "task.generate_length=8",
-    "tracker=none",
-]
-TINY_NSA = TINY + [
-    "model=nsa",
-    "model.kv_heads=1",
-    "model.sliding_window_size=8",
-    "model.compress_block_size=4",
-    "model.compress_stride=2",
-    "model.fine_block_size=4",
-    "model.num_fine_selected=3",
-]
-
-
-# the smallest text-to-image run: a VAE stage of 3 steps, then 3 DALL-E steps
-TINY_DALLE = [
-    "experiment=dalle",
-    "model.dim=32",
-    "model.depth=2",
-    "model.heads=2",
-    "model.dim_head=16",
-    "vae.num_tokens=16",
-    "vae.codebook_dim=16",
-    "vae.hidden_dim=16",
-    "vae.num_resnet_blocks=0",
-    "data.image_size=16",
-    "trainer.batch_size=4",
-    "trainer.val_batches=1",
-    "trainer.log_every=1",
-    "trainer.progress=false",
-    "trainer.threads=1",
-    "trainer.max_steps=3",
-    "task.vae_steps=3",
-    "task.num_samples=4",
-    "tracker=none",
-]
-TINY_LM = [*TINY, "model=transformer"]
-
-
-def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 300,
-          base: list[str] = TINY_LM) -> subprocess.CompletedProcess:
-    """Run `python train.py` in `run_dir`: the tiny dense model unless `base` says otherwise."""
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *base, *overrides]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
-    if check and result.returncode != 0:
-        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-def start_train(run_dir: Path, *overrides: str, base: list[str] = TINY_LM) -> subprocess.Popen:
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *base, *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-
-
-def kill_after_first_checkpoint(run_dir: Path, *overrides: str, timeout: float = 180,
-                                base: list[str] = TINY_LM) -> None:
-    """Start train.py and SIGKILL it as soon as its first checkpoint is on disk."""
-    import signal
-    import time
-
-    proc = start_train(run_dir, *overrides, base=base)
-    ckpts = Path(run_dir) / "checkpoints"
-    deadline = time.time() + timeout
-    while time.time() < deadline and not (ckpts.is_dir() and any(ckpts.glob("step_*.pt"))):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0"}
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def read_summary(run_dir: Path) -> dict:
-    return json.loads((Path(run_dir) / "summary.json").read_text())
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
-
 
 @pytest.fixture
 def compose():
     """compose(*overrides) -> the root config, composed exactly as train.py composes it."""
-    import experiments.schema  # noqa: F401
+    from experiments.config import register
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+
+    register()
 
     def _compose(*overrides: str):
         GlobalHydra.instance().clear()

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import (ROOT, TINY, TINY_NSA, _env, kill_after_first_checkpoint, losses, read_metrics, read_summary,
+from tests.helpers.runs import (ROOT, TINY, TINY_NSA, run_env, kill_after_first_checkpoint, losses, read_metrics, read_summary,
                       start_train, train)
 
 
@@ -71,7 +71,7 @@ def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY_NSA, "trainer.max_steps=2",
            "model.kv_heads=1,3"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=run_env())
     assert result.returncode == 0, result.stderr
     good, bad = sweep / "model.kv_heads=1" / "seed=0", sweep / "model.kv_heads=3" / "seed=0"
     assert read_summary(good)["status"] == "completed"
@@ -84,7 +84,7 @@ def test_two_job_sweep_of_the_issue_leaves_two_directories(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY, "model=transformer",
            "trainer.max_steps=2", "model.depth=1,2", "trainer.seed=0,1"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300, env=_env())
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300, env=run_env())
     jobs = sorted(str(p.parent.relative_to(sweep)) for p in sweep.rglob("summary.json"))
     assert jobs == ["model.depth=1/seed=0", "model.depth=1/seed=1", "model.depth=2/seed=0", "model.depth=2/seed=1"]
 
@@ -166,5 +166,5 @@ def test_local_runs_and_help_never_import_deepspeed(tmp_path):
     for args in (["train.py", "--help"], ["train.py", f"hydra.run.dir={tmp_path / 'run'}", *TINY,
                                           "model=transformer", "trainer.max_steps=1"]):
         out = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True,
-                             timeout=300, env=_env())
+                             timeout=300, env=run_env())
         assert out.stdout.strip().splitlines()[-1] == "False", out.stderr

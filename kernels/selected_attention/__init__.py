@@ -10,7 +10,6 @@ from typing import Optional
 
 from torch import Tensor
 
-from kernels import triton_runnable  # noqa: F401 (re-exported: models check kernel=triton with it)
 from kernels.selected_attention.reference import SelectedAttention
 
 

@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kernels.compressed_attention import block_selection, causal_block_attention, compressed_attention
-from kernels.selected_attention import selected_attention, triton_runnable
+from kernels import triton_runnable
+from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
 from models.rotary import Rotary

@@ -9,10 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from experiments import launch  # noqa: E402
-from experiments.training import TrainingTask  # noqa: E402
+from experiments.runtime import launch  # noqa: E402
+from experiments.tasks.loop import Loop  # noqa: E402
 
-_train_step = TrainingTask._train_step
+_train_step = Loop._train_step
 
 
 def _train_step_with_event(self, step, active):
@@ -23,5 +23,5 @@ def _train_step_with_event(self, step, active):
     return _train_step(self, step, active)
 
 
-TrainingTask._train_step = _train_step_with_event
+Loop._train_step = _train_step_with_event
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -1,0 +1,198 @@
+"""The run directory (DESIGN.md section 4) and the life of one run inside it.
+
+`Run` owns metrics.jsonl, summary.json, samples/ and checkpoints/ of one Hydra job directory.
+Used as a context manager it records how the run ended: "completed", "failed" (with the error)
+or "interrupted" (SIGTERM or Ctrl-C: the task checkpoints at the next step boundary). In a sweep a
+failed job is recorded and the sweep goes on; a single run exits non-zero with one clear message.
+"""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from experiments.runtime import launch
+from experiments.runtime.errors import TrainingError, UserError
+from experiments.runtime.files import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+class Run:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        name: str = "",
+        group: Optional[str] = None,
+        choices: Optional[dict] = None,
+        multirun: bool = False,
+        is_main: bool = True,
+    ):
+        self.dir = Path(directory)
+        self.name = name or self.dir.name
+        self.group = group
+        self.choices = choices or {}
+        self.multirun = multirun
+        self.is_main = is_main  # only the main rank writes files
+        self.summary: dict[str, Any] = {}
+        self.result: Optional[float] = None
+        self.stop_requested = False
+        self._start = time.time()
+        self._wall_before = 0.0  # wall time of earlier sessions of a resumed run
+        self._handlers: dict = {}
+
+    @classmethod
+    def from_hydra(cls, is_main: bool = True) -> "Run":
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        multirun = hc.mode == RunMode.MULTIRUN
+        out = Path(hc.runtime.output_dir)
+        return cls(
+            out,
+            # a sweep job is named by its swept values (its path in the sweep), a run by its time
+            name=os.path.relpath(out, hc.sweep.dir) if multirun else out.name,
+            group="/".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None,  # <date>/<time>
+            choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")},
+            multirun=multirun,
+            is_main=is_main,
+        )
+
+    # ---- paths -------------------------------------------------------------------------------
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.dir / "summary.json"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.dir / "checkpoints"
+
+    @property
+    def samples_dir(self) -> Path:
+        return self.dir / "samples"
+
+    # ---- records -----------------------------------------------------------------------------
+
+    def log_metrics(self, row: dict) -> None:
+        """Append one JSON object (it must hold "step") to metrics.jsonl."""
+        if self.is_main:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(row, default=float) + "\n")
+
+    def truncate_metrics(self, step: int) -> None:
+        """Keep only rows up to `step`: a resumed run appends from there without repeating steps."""
+        if not (self.is_main and self.metrics_path.exists()):
+            return
+        lines = self.metrics_path.read_text().splitlines()
+        kept = [line for line in lines if (s := _row_step(line)) is not None and s <= step]
+        if len(kept) != len(lines):
+            atomic_write_text(self.metrics_path, "".join(line + "\n" for line in kept))
+
+    def write_sample(self, name: str, text: str) -> Path:
+        path = self.samples_dir / name
+        if self.is_main:
+            self.samples_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, text)
+        return path
+
+    def keep_hydra_files(self) -> None:
+        """Copy the first session's .hydra/*.yaml aside: Hydra rewrites them on every start, even
+        for a resume that is then refused, and they must keep describing this run."""
+        hydra_dir, original = self.dir / ".hydra", self.dir / ".hydra" / "original"
+        if self.is_main and hydra_dir.is_dir() and not original.exists():
+            original.mkdir()
+            for path in hydra_dir.glob("*.yaml"):
+                shutil.copy2(path, original / path.name)
+
+    def restore_hydra_files(self) -> None:
+        original = self.dir / ".hydra" / "original"
+        if self.is_main and original.is_dir():
+            for path in original.glob("*.yaml"):
+                shutil.copy2(path, self.dir / ".hydra" / path.name)
+
+    def update_summary(self, **fields: Any) -> None:
+        self.summary.update(fields)
+
+    def wall_s(self) -> float:
+        return self._wall_before + time.time() - self._start
+
+    def continue_wall_clock(self, seconds: float) -> None:
+        self._wall_before = seconds
+
+    def write_summary(self, status: str, force: bool = False) -> None:
+        if self.is_main or force:
+            self.summary.update(status=status, wall_s=round(self.wall_s(), 2))
+            self.summary.setdefault("error", None)
+            atomic_write_json(self.summary_path, self.summary)
+
+    # ---- life ----------------------------------------------------------------------------------
+
+    def _request_stop(self, signum, frame) -> None:
+        if self.stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        log.warning("%s received: checkpointing at the end of this step", signal.Signals(signum).name)
+        self.stop_requested = True
+
+    def __enter__(self) -> "Run":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:  # until the end says otherwise: "running", with who runs it (for review)
+            self.summary.update(pid=os.getpid(), host=socket.gethostname())
+            self.write_summary("running")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._handlers[sig] = signal.signal(sig, self._request_stop)
+            except ValueError:  # not the main thread (a launcher's worker): keep the defaults
+                pass
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        if exc_type is None:
+            if failure := launch.first_failure():  # another rank failed: so did the job
+                self.summary["error"] = failure
+                self.write_summary("failed")
+                return False
+            self.write_summary("interrupted" if self.stop_requested else "completed")
+            return False
+        if issubclass(exc_type, KeyboardInterrupt):
+            self.summary["error"] = "interrupted by the user"
+            self.write_summary("interrupted")
+            return False
+        known = issubclass(exc_type, (UserError, TrainingError))
+        message = str(exc) if known else f"{exc_type.__name__}: {exc}"
+        launch.report_failure(message)
+        # the first failing rank's error, not a collective's timeout on the ranks that waited for it
+        self.summary["error"] = launch.first_failure() or message
+        self.write_summary("failed", force=True)  # a failing rank records why even if rank 0 cannot
+        if known:
+            log.error("%s", message)
+        else:
+            log.error("run failed:\n%s", "".join(traceback.format_exception(exc_type, exc, tb)))
+        if self.multirun:  # the sweep goes on; this job's summary says what went wrong
+            self.result = None  # a sweeper (Optuna) records a trial without a value as failed
+            return True
+        if known:
+            sys.exit(f"error: {message}")
+        return False
+
+
+def _row_step(line: str) -> Optional[int]:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a line torn by a kill: dropped

@@ -1,0 +1,77 @@
+"""task=speculative: a target and a draft trained together on the same batches; its samples time
+plain against speculative decoding (Leviathan et al. 2023) and record the speedup and acceptance.
+
+    python train.py experiment=speculative
+"""
+
+import time
+from typing import Optional
+
+import torch
+
+from experiments.runtime.errors import UserError
+from experiments.tasks.lm import LanguageModelTask
+from models.sampling import generate
+from models.speculative import speculative_generate
+
+
+def compare_decoding(target, draft, prompt, length: int, gamma: int, temperature: float, top_k: Optional[int],
+                     seed: int = 0) -> dict:
+    """Plain against speculative decoding of prompt [batch, prime]: outputs and figures."""
+    device = prompt.device
+    t0 = time.perf_counter()
+    plain = generate(target, prompt, length, temperature, top_k, torch.Generator(device=device).manual_seed(seed))
+    plain_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    spec, stats = speculative_generate(target, draft, prompt, length, gamma, temperature, top_k,
+                                       torch.Generator(device=device).manual_seed(seed))
+    spec_s = time.perf_counter() - t0
+    tokens = prompt.shape[0] * length
+    return {
+        "plain": plain,
+        "speculative": spec,
+        "base_tokens_per_s": round(tokens / plain_s, 1),
+        "spec_tokens_per_s": round(tokens / spec_s, 1),
+        "speedup": round(plain_s / spec_s, 3),
+        "accepted_per_step": round(stats.mean_accepted, 3),
+        "acceptance_rate": round(stats.mean_accepted / gamma, 4),  # as a fraction of gamma
+        "same_output": bool(torch.equal(plain, spec)),
+    }
+
+
+class SpeculativeTask(LanguageModelTask):
+    """The language-model task for both members; only the sample differs."""
+
+    name = "speculative"
+
+    def __init__(self, gamma: int, **lm_knobs):
+        super().__init__(**lm_knobs)
+        if gamma < 1:
+            raise ValueError(f"gamma={gamma} must be at least 1: set task.gamma")
+        self.gamma = gamma
+
+    def setup(self, nets):
+        if "draft_" not in nets:
+            raise UserError("task=speculative needs a draft model: add `- /model@draft: transformer` to the "
+                            "defaults (as conf/experiment/speculative.yaml does) or use experiment=speculative")
+        return super().setup(nets)
+
+    @torch.no_grad()
+    def sample(self, step: int) -> None:
+        ctx = self.ctx
+        target, draft = (m.model.eval() for m in ctx.members)
+        prime = ctx.data.prime(self.prime_length).to(ctx.backend.device)[None]
+        with ctx.backend.autocast():
+            result = compare_decoding(target, draft, prime, self.generate_length, self.gamma, self.temperature,
+                                      self.top_k, seed=ctx.trainer.seed + step)
+        figures = {k: v for k, v in result.items() if k not in ("plain", "speculative")}
+        ctx.run.log_metrics({"step": step, **figures})
+        ctx.tracker.log(figures, step)
+        ctx.run.update_summary(**figures)
+        decode = ctx.data.decode
+        text = (f"=== prime\n{decode(prime[0])}\n=== plain decoding ({figures['base_tokens_per_s']} tokens/s)\n"
+                f"{decode(result['plain'][0])}\n=== speculative decoding, gamma {self.gamma} "
+                f"({figures['spec_tokens_per_s']} tokens/s, {figures['speedup']}x, "
+                f"{figures['accepted_per_step']} accepted per step)\n{decode(result['speculative'][0])}\n")
+        ctx.run.write_sample(f"step_{step:07d}.txt", text)
+        ctx.tracker.log_text("samples", text, step)

@@ -1,0 +1,115 @@
+"""What a task says, and what it is given: the hooks the loop (experiments/tasks/loop.py) drives.
+
+A task trains one model or several (a speculative-decoding pair; a VAE and the DALL-E on top of
+it). Each is a member of the loop, named by its prefix ("" for the model, "draft_" for the draft,
+"vae_" for the VAE): its own optimizer, schedule, metrics and checkpoint entries. A task defines
+
+    setup(nets)                   -> the models by prefix, checked against the data (before any work)
+    micro_batch(step, micro)      -> the batch of one micro-step, on the device
+    loss(member, batch)           -> (loss, {extra figures}) of one member on it
+    validation_metrics(member)    -> {"val_loss": ..., ...} (unprefixed)
+    sample(step)                  -> write samples/ and log them
+    tokens_per_sample(prefix)     -> what tokens/s counts while that member trains
+    flops_per_token(prefix, net)  -> counted training FLOPs per such token (MFU)
+
+and, when it trains in stages, `active`, `total_steps`, `optimizer_for` and `schedule_for`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from experiments.runtime.backends import Trainee
+
+
+@dataclass
+class Member:
+    """One trained model as the loop holds it."""
+
+    trainee: Trainee  # the model as the backend trains it
+    schedule: torch.optim.lr_scheduler.LRScheduler
+
+    @property
+    def prefix(self) -> str:  # of its metrics and checkpoint entries
+        return self.trainee.prefix
+
+    @property
+    def model(self) -> nn.Module:
+        return self.trainee.module
+
+
+@dataclass
+class Context:
+    """What a task reads: given by the loop before setup; `members` is filled once they are built."""
+
+    run: Any  # experiments.runtime.run.Run: summary, metrics, samples/
+    cfg: Any  # the composed config
+    backend: Any
+    data: Any
+    tracker: Any
+    members: list[Member] = field(default_factory=list)
+
+    @property
+    def trainer(self):
+        return self.cfg.trainer
+
+
+class Task:
+    name = "task"  # summary.json's "task"
+    result_key = "val_loss"  # the summary figure a sweep minimises
+
+    def attach(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def setup(self, nets: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        return nets
+
+    def micro_batch(self, step: int, micro: int):
+        raise NotImplementedError
+
+    def loss(self, member: Member, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def validation_metrics(self, member: Member) -> dict[str, float]:
+        raise NotImplementedError
+
+    def sample(self, step: int) -> None:
+        raise NotImplementedError
+
+    def tokens_per_sample(self, prefix: str) -> int:
+        raise NotImplementedError
+
+    def flops_per_token(self, prefix: str, net: nn.Module) -> float:
+        raise NotImplementedError
+
+    # ---- stages (a task that trains its members one after another overrides these)
+
+    def active(self, step: int) -> list[Member]:
+        """The members that train at this step."""
+        return self.ctx.members
+
+    @property
+    def total_steps(self) -> int:
+        return self.ctx.trainer.max_steps
+
+    def optimizer_for(self, prefix: str, optimizer):
+        """The optimizer partial of a member (a stage may have its own)."""
+        return optimizer
+
+    def schedule_for(self, prefix: str, schedule):
+        return schedule
+
+    def checkpoint_extras(self) -> dict:
+        """Entries a task adds to its checkpoints (what rebuilding its models needs)."""
+        return {}
+
+    # ---- shared by the tasks
+
+    def val_shard(self, batch):
+        """This rank's rows of a global validation batch (shared out by rows, as in training)."""
+        b, rank = self.ctx.trainer.batch_size, self.ctx.backend.rank
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(t[rank * b : (rank + 1) * b] for t in batch)
+        return batch[rank * b : (rank + 1) * b]

@@ -1,0 +1,80 @@
+"""Byte-level data: the built-in corpus, crops, splits, fingerprints, bad paths."""
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+from experiments.data.text import ByteText, Enwik8
+from experiments.runtime.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return ByteText(seq_len=64)
+
+
+def test_builtin_corpus_is_python_source_split_from_the_end(corpus):
+    assert len(corpus.train) > 1_000_000
+    assert len(corpus.val) == pytest.approx(0.1 * (len(corpus.train) + len(corpus.val)), rel=1e-3)
+    assert b"def " in bytes(corpus.train[:20000].numpy())
+    assert ByteText(seq_len=64).fingerprint == corpus.fingerprint  # deterministic (and cached)
+
+
+def test_training_crops_are_reproducible_and_differ_by_coordinates(corpus):
+    a = corpus.train_batch(4, seed=0, step=3, micro=1)
+    assert a.shape == (4, 65)
+    assert (a == corpus.train_batch(4, seed=0, step=3, micro=1)).all()
+    for other in (dict(seed=1, step=3, micro=1), dict(seed=0, step=4, micro=1), dict(seed=0, step=3, micro=0),
+                  dict(seed=0, step=3, micro=1, rank=1, world_size=2)):
+        assert not (a == corpus.train_batch(4, **other)).all()
+
+
+def test_ranks_share_out_the_global_batch(corpus):
+    """Two ranks of batch 2 see exactly the rows one process of batch 4 sees, none twice."""
+    whole = corpus.train_batch(4, seed=0, step=5, micro=2)
+    ranks = [corpus.train_batch(2, seed=0, step=5, micro=2, rank=r, world_size=2) for r in (0, 1)]
+    assert (torch.cat(ranks) == whole).all()
+
+
+def test_validation_crops_are_the_same_every_time(corpus):
+    first = list(corpus.val_batches(3, 2))
+    second = list(corpus.val_batches(3, 2))
+    assert len(first) == 3 and all((x == y).all() for x, y in zip(first, second))
+
+
+def test_any_file_through_path(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"hello world " * 1000)
+    data = ByteText(seq_len=16, path=str(path))
+    assert data.name == "notes.txt" and data.decode(data.train[:11]) == "hello world"
+    assert data.fingerprint != ByteText(seq_len=64).fingerprint
+
+
+def test_enwik8_split_as_the_seeds(tmp_path):
+    path = tmp_path / "enwik8.gz"
+    raw = np.random.default_rng(0).integers(0, 256, 1200, dtype=np.uint8).tobytes()
+    with gzip.open(path, "wb") as f:
+        f.write(raw)
+    data = Enwik8(seq_len=8, path=str(path), train_bytes=900, val_bytes=100)
+    assert bytes(data.train.numpy()) == raw[:900] and bytes(data.val.numpy()) == raw[900:1000]
+
+
+def test_missing_file_says_where_to_get_it(tmp_path):
+    with pytest.raises(UserError, match=r"data.path=.*no such file.*mattmahoney"):
+        Enwik8(seq_len=8, path=str(tmp_path / "enwik8.gz"))
+
+
+def test_sequence_longer_than_a_split_is_refused(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_bytes(b"x" * 100)
+    with pytest.raises(UserError, match="data.seq_len=512"):
+        ByteText(seq_len=512, path=str(path))
+
+
+def test_an_unwritable_cache_folder_only_costs_a_rebuild(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    data = ByteText(seq_len=64, cache_dir=str(blocker / "cache"))  # cannot be created under a file
+    assert len(data.train) > 1_000_000

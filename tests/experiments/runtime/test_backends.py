@@ -1,0 +1,84 @@
+"""Backends: device and precision checks, seeding, peak memory per run, the DeepSpeed config and its checks."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from experiments.config.schema import Device, Precision, TrainerConfig
+from experiments.runtime.backends import LocalBackend, parallel_job_slot, peak_memory_mb, reset_peak_memory
+from experiments.runtime.errors import UserError
+from tests.helpers.runs import ROOT
+
+
+def trainer(**kw):
+    """conf/config.yaml's trainer section, with `kw` over it."""
+    return OmegaConf.merge(OmegaConf.structured(TrainerConfig), OmegaConf.load(ROOT / "conf" / "config.yaml").trainer, kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
+def test_cuda_without_a_gpu_says_what_to_use():
+    with pytest.raises(UserError, match="trainer.device=cuda but no CUDA device"):
+        LocalBackend().setup(trainer(device=Device.cuda))
+
+
+def test_fp16_needs_cuda():
+    with pytest.raises(UserError, match="trainer.precision=fp16 needs a CUDA device"):
+        LocalBackend().setup(trainer(device=Device.cpu, precision=Precision.fp16))
+
+
+def test_setup_seeds_every_generator():
+    backend = LocalBackend()
+    backend.setup(trainer(device=Device.cpu, seed=7))
+    first = torch.rand(3)
+    backend.setup(trainer(device=Device.cpu, seed=7))
+    assert torch.equal(first, torch.rand(3))
+
+
+def test_peak_memory_is_reset_per_run():
+    cpu = torch.device("cpu")
+    big = torch.ones(100_000_000)  # 400 MB
+    del big
+    before = peak_memory_mb(cpu)
+    reset_peak_memory(cpu)
+    assert peak_memory_mb(cpu) < before - 300
+
+
+def test_no_parallel_slot_outside_a_parallel_launcher():
+    assert parallel_job_slot() is None
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(zero_stage=5), "zero_stage must be 0, 1, 2 or 3"),
+    (dict(offload_param="cpu"), "offload_param=cpu needs zero_stage=3"),
+    (dict(offload_optimizer="cpu"), "offload_optimizer needs zero_stage >= 1"),
+    (dict(config_file="missing.json"), "config_file=missing.json: no such file"),
+])
+def test_bad_deepspeed_knobs_are_refused_before_any_work(knobs, message):
+    from experiments.runtime.backends import DeepSpeedBackend
+
+    with pytest.raises(ValueError, match=message):
+        DeepSpeedBackend(**knobs)
+
+
+def test_deepspeed_config_comes_from_the_trainer_section(tmp_path):
+    from experiments.runtime.backends import DeepSpeedBackend
+
+    user = tmp_path / "ds.json"
+    user.write_text('{"train_micro_batch_size_per_gpu": 99, "zero_optimization": {"reduce_bucket_size": 1000}}')
+    backend = DeepSpeedBackend(zero_stage=2, offload_optimizer="cpu", config_file=str(user))
+    backend.precision = "bf16"
+    config = backend.deepspeed_config(trainer(batch_size=3, grad_accum=4, clip_grad_norm=0.5))
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["gradient_accumulation_steps"] == 4
+    assert config["train_batch_size"] == 12 and config["gradient_clipping"] == 0.5
+    assert config["bf16"] == {"enabled": True} and config["fp16"]["enabled"] is False
+    assert config["zero_optimization"] == {"reduce_bucket_size": 1000, "stage": 2, "offload_optimizer": {"device": "cpu"}}
+
+
+def test_a_bad_backend_key_ends_the_run_with_one_message(tmp_path):
+    from tests.helpers.runs import read_summary, train
+
+    result = train(tmp_path / "run", "backend=deepspeed", "backend.zero_stage=5", check=False)
+    assert result.returncode != 0
+    assert "error: backend: zero_stage must be 0, 1, 2 or 3, got 5" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert read_summary(tmp_path / "run")["status"] == "failed"

@@ -1,0 +1,41 @@
+"""The run directory's records: metrics.jsonl and summary.json."""
+
+import json
+
+import pytest
+
+from experiments.runtime.errors import UserError
+from experiments.runtime.run import Run
+
+
+def test_truncate_keeps_rows_up_to_the_step_and_drops_torn_lines(tmp_path):
+    run = Run(tmp_path)
+    for step in range(1, 6):
+        run.log_metrics({"step": step, "loss": 1.0 / step})
+    with open(run.metrics_path, "a") as f:
+        f.write('{"step": 6, "lo')  # a write torn by SIGKILL
+    run.truncate_metrics(3)
+    rows = [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_summary_records_completion(tmp_path):
+    with Run(tmp_path) as run:
+        run.update_summary(step=3)
+    summary = json.loads(run.summary_path.read_text())
+    assert summary["status"] == "completed" and summary["step"] == 3 and summary["error"] is None
+
+
+def test_user_error_in_a_single_run_exits_with_the_message(tmp_path):
+    with pytest.raises(SystemExit, match="error: bad value"):
+        with Run(tmp_path):
+            raise UserError("bad value")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == "bad value"
+
+
+def test_failure_in_a_sweep_job_is_recorded_and_swallowed(tmp_path):
+    with Run(tmp_path, multirun=True) as run:
+        raise RuntimeError("boom")
+    assert run.result is None  # no objective: a sweeper records the trial as failed
+    assert json.loads(run.summary_path.read_text())["error"] == "RuntimeError: boom"

@@ -1,0 +1,37 @@
+"""The language-model task's own pieces (the loop itself is exercised end to end in test_train)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from experiments.tasks.lm import LanguageModelTask
+from experiments.tasks.task import Context
+from models.transformer import IGNORE
+
+
+def truncating_task(rank: int = 0, world_size: int = 1) -> LanguageModelTask:
+    task = LanguageModelTask(prime_length=8, generate_length=8, num_samples=1, temperature=1.0, top_k=None,
+                             randomly_truncate_sequence=True)
+    cfg = SimpleNamespace(trainer=SimpleNamespace(seed=0))
+    task.attach(Context(run=None, cfg=cfg, backend=SimpleNamespace(rank=rank, world_size=world_size), data=None,
+                        tracker=None))
+    return task
+
+
+def test_random_truncation_ignores_each_rows_tail_reproducibly():
+    task = truncating_task()
+    targets = torch.arange(4 * 25).view(4, 25) % 7
+    cut = task._truncated(targets, step=3, micro=0)
+    kept = (cut != IGNORE).sum(1)
+    assert torch.equal(cut == IGNORE, torch.arange(25)[None, :] >= kept[:, None])  # a prefix kept per row
+    assert kept.min() >= 1 and len(set(kept.tolist())) > 1  # rows get their own lengths
+    assert torch.equal(task._truncated(targets, step=3, micro=0), cut)  # the same at resume
+    assert not torch.equal(task._truncated(targets, step=4, micro=0), cut)
+    assert torch.equal(cut[cut != IGNORE], targets[cut != IGNORE])
+
+
+def test_ranks_truncate_their_rows_of_the_global_batch():
+    targets = torch.zeros(4, 25, dtype=torch.long)
+    whole = truncating_task()._truncated(targets, step=1, micro=0)
+    halves = [truncating_task(rank, world_size=2)._truncated(targets[:2], step=1, micro=0) for rank in (0, 1)]
+    assert torch.equal(torch.cat(halves), whole)

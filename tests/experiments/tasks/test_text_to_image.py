@@ -1,0 +1,111 @@
+"""The dvae and dalle tasks end to end: stages, run directory, scores, generation, resume."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers.runs import ROOT, TINY_DALLE, run_env, kill_after_first_checkpoint, read_metrics, read_summary, train
+from experiments.runtime import checkpoint
+
+TINY_DVAE = [o.replace("vae.", "model.") for o in TINY_DALLE if not o.startswith(("model.", "task.", "experiment"))]
+TINY_DVAE = ["experiment=dvae", *TINY_DVAE]
+
+
+def test_dalle_trains_the_vae_then_dalle_and_leaves_scored_image_grids(tmp_path):
+    train(tmp_path, base=TINY_DALLE)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows if "vae_loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "image_loss" in r] == [4, 5, 6]
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "completed" and summary["step"] == 6
+    for key in ("vae_val_hard_recon_loss", "vae_val_colour_agreement", "val_loss", "val_image_loss",
+                "colour_agreement", "shape_agreement", "tokens_per_s"):
+        assert key in summary, key
+    assert 0 <= summary["colour_agreement"] <= 1
+    grid = Image.open(tmp_path / "samples" / "step_0000006.png")
+    assert grid.size[0] > 4 * 64  # four tiles in a row
+    assert (tmp_path / "samples" / "step_0000003_vae.png").is_file()  # the end of the VAE stage
+    state = checkpoint.load(checkpoint.latest(tmp_path / "checkpoints"))
+    assert {"dalle_hparams", "vae_config", "tokenizer", "model", "vae_model"} <= set(state)
+
+
+def test_generate_command_needs_only_the_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, base=TINY_DALLE)
+    out = tmp_path / "made.png"
+    result = subprocess.run([sys.executable, "-m", "experiments.text_to_image", str(run_dir), "--prompt",
+                             "a large red circle at the top left", "--num-images", "3", "--out", str(out)],
+                            cwd=tmp_path, capture_output=True, text=True, env={**run_env(), "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr
+    assert out.is_file() and "colour_agreement" in result.stdout
+    from experiments.tasks.dalle import generate_images
+    from experiments.text_to_image import load_run
+
+    dalle, vae, tokenizer = load_run(str(run_dir))
+    images = generate_images(dalle, vae, tokenizer, ["a small blue square at the top left"] * 2,
+                             generator=torch.Generator().manual_seed(0))
+    assert images.shape == (2, 3, 16, 16)
+
+
+@pytest.mark.slow
+def test_resume_across_the_stage_boundary_equals_an_uninterrupted_run(tmp_path):
+    steps = ["trainer.checkpoint_every=2", "trainer.keep_checkpoints=10"]
+    train(tmp_path / "whole", *steps, base=TINY_DALLE)
+    kill_after_first_checkpoint(tmp_path / "killed", *steps, base=TINY_DALLE)
+    assert checkpoint.latest(tmp_path / "killed" / "checkpoints").name == "step_0000002.pt"  # inside the VAE stage
+    train(tmp_path / "killed", *steps, base=TINY_DALLE)
+    figures = lambda d: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "wall_s")}  # noqa: E731
+                         for r in read_metrics(d)]
+    assert figures(tmp_path / "killed") == figures(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_a_trained_vae_from_another_run_skips_the_vae_stage(tmp_path):
+    train(tmp_path / "vae", base=TINY_DVAE)
+    vae_summary = read_summary(tmp_path / "vae")
+    assert "val_hard_recon_loss" in vae_summary and (tmp_path / "vae" / "samples" / "step_0000003_vae.png").is_file()
+    train(tmp_path / "dalle", f"task.vae_path={tmp_path / 'vae'}", base=TINY_DALLE)
+    rows = read_metrics(tmp_path / "dalle")
+    assert not any("vae_loss" in r for r in rows) and [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert read_summary(tmp_path / "dalle")["vae_path"] == str(tmp_path / "vae")
+    state = checkpoint.load(checkpoint.latest(tmp_path / "dalle" / "checkpoints"))
+    vae_state = checkpoint.load(checkpoint.latest(tmp_path / "vae" / "checkpoints"))
+    assert all(torch.equal(state["vae_model"][k], v) for k, v in vae_state["model"].items())  # frozen
+
+
+def test_a_vae_path_that_is_not_a_vae_run_is_refused(tmp_path):
+    train(tmp_path / "lm", "trainer.max_steps=1")
+    result = train(tmp_path / "dalle", f"task.vae_path={tmp_path / 'lm'}", base=TINY_DALLE, check=False)
+    assert result.returncode != 0
+    assert "neither a dvae nor a dalle run" in result.stderr
+    assert not (tmp_path / "dalle" / "checkpoints").exists()
+    missing = train(tmp_path / "other", f"task.vae_path={tmp_path / 'nowhere'}", base=TINY_DALLE, check=False)
+    assert "task.vae_path=" in missing.stderr and "no such checkpoint file or run directory" in missing.stderr
+
+
+def test_data_and_vae_image_sizes_must_agree(tmp_path):
+    result = train(tmp_path, "vae.image_size=32", base=TINY_DALLE, check=False)
+    assert result.returncode != 0 and "data.image_size=32" in result.stderr
+
+
+@pytest.mark.slow
+def test_dalle_with_deepspeed(tmp_path):
+    train(tmp_path, "backend=deepspeed", base=TINY_DALLE, timeout=600)
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "completed" and "colour_agreement" in summary
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 6
+
+
+def test_tasks_refuse_models_they_cannot_train(tmp_path):
+    quick = ["tracker=none", "trainer.progress=false", "trainer.max_steps=1"]
+    cases = ((["model=dvae"], "task=lm trains language models"),
+             (["task=dvae", "data=shapes"], "task=dvae trains a discrete VAE"),
+             (["task=dalle", "data=shapes"], "task=dalle needs model=dalle"))
+    for i, (overrides, message) in enumerate(cases):
+        result = train(tmp_path / str(i), *overrides, base=quick, check=False)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

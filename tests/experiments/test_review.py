@@ -1,0 +1,126 @@
+"""Reviewing run directories: tables in every format, plots that are real images, statuses."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from matplotlib.image import imread
+
+from tests.helpers.runs import ROOT, TINY, TINY_NSA, run_env
+from experiments.review import find_runs, main, pareto_front
+from experiments.config.schema import job_subdir
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """Two tiny NSA jobs over two seeds, plus one configuration that fails."""
+    directory = tmp_path_factory.mktemp("review") / "sweep"
+    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={directory}", *TINY_NSA, "trainer.max_steps=4",
+           "trainer.validate_every=2", "model.kv_heads=1,3", "trainer.seed=0,1"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300, env=run_env())
+    return directory
+
+
+def review(*args):
+    return subprocess.run([sys.executable, "-m", "experiments.review", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=run_env())
+
+
+def test_table_markdown_and_real_pngs(sweep):
+    out = review(sweep)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:4] == ["run", "status", "step", "best"]
+    ranked = [line for line in lines if line.startswith("model.kv_heads=1 ")]
+    assert len(ranked) == 2 and all("completed" in line for line in ranked)
+    assert any(line.startswith("model.kv_heads=3 ") and "failed" in line for line in lines)
+    assert "multiple of kv_heads" in out.stdout  # the failure's first line
+    assert "over 2 seeds" in out.stdout  # mean and spread over seeds
+    report = (sweep / "review.md").read_text()
+    assert "| run | status |" in report and "![val_curves](val_curves.png)" in report
+    for name in ("val_curves.png", "quality_vs_speed.png"):
+        image = imread(sweep / name)
+        assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 500
+        assert image[..., :3].std() > 0.01, f"{name} is blank"
+
+
+def test_rows_sorted_by_the_metric(sweep):
+    rows = json.loads(review(sweep, "--format", "json", "--no-plots").stdout)["groups"]
+    (rows,) = rows.values()
+    best = [r["best"] for r in rows if r["best"] is not None]
+    assert best == sorted(best) and len(best) == 2
+    assert [r["status"] for r in rows[-2:]] == ["failed", "failed"]  # no metric: last
+
+
+def test_csv_and_sort_by_speed(sweep):
+    out = review(sweep, "--format", "csv", "--sort", "tokens_per_s", "--no-plots")
+    header, *rows = out.stdout.strip().splitlines()
+    assert header.startswith("run,status,step,best,final,tokens_per_s")
+    assert len(rows) == 4
+
+
+def test_killed_runs_show_as_interrupted_and_live_ones_as_running(sweep, tmp_path):
+    job = next(p.parent for p in sweep.rglob("summary.json") if "kv_heads=1" in str(p))
+    killed, running, dead = tmp_path / "killed", tmp_path / "running", tmp_path / "dead"
+    for copy in (killed, running, dead):
+        shutil.copytree(job, copy)
+    (killed / "summary.json").unlink()
+    old = time.time() - 3600
+    os.utime(killed / "metrics.jsonl", (old, old))
+    (running / "summary.json").unlink()  # metrics written just now: in progress
+    os.utime(running / "metrics.jsonl")
+    summary = json.loads((dead / "summary.json").read_text())
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    summary.update(status="running", pid=proc.pid)  # a process that no longer exists
+    (dead / "summary.json").write_text(json.dumps(summary))
+    statuses = {r.path.name: r.status for r in find_runs([tmp_path])}
+    assert statuses == {"killed": "interrupted", "running": "running", "dead": "interrupted"}
+
+
+def test_runs_on_different_data_are_ranked_apart(sweep, tmp_path):
+    job = next(p.parent for p in sweep.rglob("summary.json") if "kv_heads=1" in str(p))
+    other = tmp_path / "other"
+    shutil.copytree(job, other)
+    summary = json.loads((other / "summary.json").read_text())
+    summary["data_fingerprint"] = "enwik8:95000000:0123456789abcdef"
+    (other / "summary.json").write_text(json.dumps(summary))
+    out = review(sweep, tmp_path, "--no-plots")
+    assert "2 different data sets" in out.stderr
+    headings = [line for line in out.stdout.splitlines() if line.startswith("data ")]
+    assert sum(h.startswith("data stdlib-py") for h in headings) == 1
+    assert sum(h.startswith("data enwik8:") for h in headings) == 1
+
+
+def test_no_runs_is_a_clear_error(tmp_path):
+    out = review(tmp_path)
+    assert out.returncode == 1 and "no run directories" in out.stderr
+    assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_pareto_front_keeps_only_undominated_points():
+    points = [(100, 3.0), (200, 2.5), (150, 2.0), (50, 1.9), (120, 2.6)]
+    assert pareto_front(points) == [(50, 1.9), (150, 2.0), (200, 2.5)]
+
+
+def test_job_directory_names_swept_keys_then_seed(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "model.depth=2,4", "trainer.max_steps=5", "trainer.seed=0,1"])
+    assert job_subdir(["model.depth=4", "trainer.max_steps=5", "trainer.seed=1"], 1) == "model.depth=4/seed=1"
+    assert job_subdir(["trainer.max_steps=5", "trainer.seed=1"], 1) == "seed=1"
+    optuna = {"model.num_fine_selected": "choice(2, 4)"}
+    assert job_subdir(["model.num_fine_selected=4"], 0, optuna, 3) == "trial=3,model.num_fine_selected=4/seed=0"
+
+
+@pytest.mark.slow
+def test_optuna_preset_runs_trials_in_their_own_directories(tmp_path):
+    cmd = [sys.executable, "train.py", "-m", "experiment=nsa_optuna", "hydra.sweeper.n_trials=2",
+           f"hydra.sweep.dir={tmp_path}", *TINY, "model.kv_heads=1", "trainer.max_steps=2"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=run_env())
+    assert result.returncode == 0, result.stderr
+    jobs = sorted(p.parent.parent.name.split(",")[0] for p in tmp_path.rglob("summary.json"))
+    assert jobs == ["trial=0", "trial=1"]
+    assert "best_value" in (tmp_path / "optimization_results.yaml").read_text()

@@ -1,0 +1,214 @@
+"""Native Sparse Attention: causality, the branches' definitions, caching, odd lengths."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.compressed_attention import compressed_attention
+from kernels.compressed_attention.naive import compressed_attention as naive
+from models.attention.nsa import NativeSparseAttention
+from tests.helpers.attention_checks import assert_truncated_cache_forgets
+from models.lm import nsa_lm
+
+KNOBS = dict(kv_heads=2, sliding_window_size=8, compress_block_size=4, compress_stride=2, fine_block_size=4,
+             num_fine_selected=3)
+
+
+def tiny_nsa(**overrides):
+    torch.manual_seed(0)
+    knobs = {**KNOBS, **overrides}
+    return nsa_lm(num_tokens=64, dim=32, depth=2, heads=4, dim_head=8, **knobs).eval()
+
+
+@pytest.mark.parametrize("t", [0, 2, 3, 4, 7, 8, 15, 16, 30, 45])
+def test_causal_by_perturbation(t):
+    """Changing every token after t leaves the logits at <= t unchanged (block boundaries included)."""
+    model = tiny_nsa()
+    x = torch.randint(0, 64, (2, 48))
+    changed = x.clone()
+    changed[:, t + 1 :] = (changed[:, t + 1 :] + 1 + torch.randint(0, 62, changed[:, t + 1 :].shape)) % 64
+    base, out = model(x), model(changed)
+    assert torch.equal(out[:, : t + 1], base[:, : t + 1])
+    if t < 47:
+        assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :])
+
+
+@pytest.mark.parametrize("t", [3, 16, 29])
+def test_causal_by_gradient(t):
+    """The logits at t have zero gradient with respect to every later input embedding."""
+    model = tiny_nsa()
+    x = torch.randint(0, 64, (1, 40))
+    emb = model.token_emb(x).detach().requires_grad_()
+    h = emb
+    for block in model.blocks:
+        h = block(h)
+    logits = model.to_logits(model.norm(h))
+    (grad,) = torch.autograd.grad(logits[0, t].sum(), emb)
+    assert grad[0, t + 1 :].abs().max() == 0
+    assert grad[0, : t + 1].abs().max() > 0
+
+
+@pytest.mark.parametrize("n", [4, 37, 64])
+def test_all_blocks_selected_equals_dense_causal_attention(n):
+    """With every block selected, the selected branch is dense causal attention; so is a window
+    as long as the sequence."""
+    d = 8
+    attn = NativeSparseAttention(dim=16, heads=4, dim_head=d, kv_heads=2, sliding_window_size=n,
+                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=16)
+    q = torch.randn(2, 2, 2, n, d)  # [batch, kv_heads, group, seq, dim_head]
+    k, v = torch.randn(2, 2, n, d), torch.randn(2, 2, n, d)
+    importance = torch.rand(4, n, -(-n // 4))  # [batch * kv_heads, seq, fine blocks]
+    scores, indices = (t.view(2, 2, n, -1) for t in attn._choose(importance, 0, 13))
+    dense = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], is_causal=True)
+    torch.testing.assert_close(attn._selected(q, k, v, scores, indices, 0), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn._window(q, k, v, 0), dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("selected", [1, 2, 3, 5])
+def test_selected_branch_equals_masked_attention_over_the_chosen_blocks(selected):
+    """The tiled forced blocks merged with the gathered free blocks equal one softmax over the
+    union of the blocks, for every priority cut-off."""
+    n, d, l = 29, 8, 4
+    attn = NativeSparseAttention(dim=16, heads=2, dim_head=d, kv_heads=1, sliding_window_size=4,
+                                 compress_block_size=4, compress_stride=2, fine_block_size=l, num_fine_selected=selected)
+    q, k, v = torch.randn(1, 1, 2, n, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
+    importance = torch.rand(1, n, -(-n // l))
+    positions = torch.arange(n)
+    allowed = attn._forced_visible(positions[:, None], positions[None])
+    scores, indices = attn._choose(importance, 0, max(0, selected - 3))
+    valid = scores > float("-inf")
+    for s_ in range(indices.shape[-1]):
+        allowed |= ((positions[None] // l) == indices[0, :, s_, None]) & valid[0, :, s_, None]
+    allowed &= positions[None] <= positions[:, None]
+    expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=allowed)
+    torch.testing.assert_close(attn._selected(q, k, v, scores[None], indices[None], 0), expected, rtol=1e-5, atol=1e-5)
+    blocks_per_query = F.pad(allowed, (0, (-n) % l)).view(n, -1, l).any(-1).sum(-1)
+    assert (blocks_per_query <= selected).all()
+    assert (blocks_per_query[-1] == min(selected, -(-n // l)))
+
+
+def test_window_sees_exactly_the_last_w_tokens():
+    attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=5,
+                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=2)
+    n = 23
+    q, k, v = torch.randn(1, 1, 2, n, 8), torch.randn(1, 1, n, 8), torch.randn(1, 1, n, 8)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    mask = (j <= i) & (j > i - 5)
+    expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=mask)
+    torch.testing.assert_close(attn._window(q, k, v, 0), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_selection_forces_own_initial_and_previous_blocks():
+    attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=4,
+                                 compress_block_size=4, compress_stride=4, fine_block_size=4, num_fine_selected=4)
+    n = 40
+    importance = torch.zeros(1, n, n // 4)
+    importance[..., 5] = 1.0  # fine block 5 is the most important wherever it is visible
+    scores, indices = attn._choose(importance, 0, 1)
+    valid = scores > float("-inf")
+    positions = torch.arange(n)
+    forced = attn._forced_visible(positions[:, None], torch.arange(0, n, 4)[None])  # [query, block]
+    for t in (0, 5, 13, 27, 39):
+        own = t // 4
+        assert set(forced[t].nonzero().flatten().tolist()) == {own, 0, max(own - 1, 0)}
+        free = set(indices[0, t][valid[0, t]].tolist())
+        assert not free & {own, 0, own - 1}, "a forced block was chosen twice"
+        assert all(b <= own for b in free), "a future block was selected"
+        assert (5 in free) == (own > 6)
+
+
+def test_cached_decoding_equals_parallel_forward():
+    model = tiny_nsa()
+    x = torch.randint(0, 64, (2, 45))
+    full = model(x)
+    cache = model.new_cache()
+    pieces = [model(x[:, :9], cache=cache)]
+    pieces += [model(x[:, t : t + 1], cache=cache) for t in range(9, 30)]
+    pieces.append(model(x[:, 30:], cache=cache))  # several tokens at once after a cache
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("keep", [3, 9, 16, 22])
+def test_truncated_cache_forgets_the_rolled_back_tokens(keep):
+    """Rolling the cache back (speculative decoding's rollback) forgets the later tokens and the
+    compressed blocks they completed, inside a block and at block boundaries."""
+    assert_truncated_cache_forgets(tiny_nsa(num_fine_selected=5).double(), torch.randint(0, 64, (2, 31)), keep=keep)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 17, 33])
+def test_lengths_not_multiples_of_blocks_give_finite_gradients(n):
+    model = tiny_nsa().train()
+    x = torch.randint(0, 64, (2, n))
+    loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, p in model.named_parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(kv_heads=3), "multiple of kv_heads"),
+    (dict(compress_stride=8), "compress_stride"),
+    (dict(num_fine_selected=0), "num_fine_selected"),
+])
+def test_invalid_knobs_say_how_to_fix_them(bad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_nsa(**bad)
+
+
+def _selected_branch(attn, diff_topk):
+    """The selected branch of one layer from fixed inputs, with selection differentiable or not:
+    -> (output, compressed keys)"""
+    gen = torch.Generator().manual_seed(0)
+    n, d = 40, 8
+    q = torch.randn(1, 1, 2, n, d, generator=gen)
+    k, v = torch.randn(1, 1, n, d, generator=gen), torch.randn(1, 1, n, d, generator=gen)
+    kc = torch.randn(1, 1, attn.compress_k.num_blocks(n), d, generator=gen, requires_grad=True)
+    _, scores, indices = compressed_attention(q.flatten(0, 1), kc.flatten(0, 1), kc.detach().flatten(0, 1), 0, 4, 2, 4,
+                                              lambda imp, first: attn._choose(imp, first, 2), importance_grad=diff_topk)
+    return attn._selected(q, k, v, scores[None], indices[None], 0), kc
+
+
+def test_diff_topk_passes_gradient_to_the_compressed_keys_through_selection():
+    """With differentiable selection the free blocks' shares of the output carry the importance's
+    gradient to the compressed keys (the value is unchanged); without it they carry none."""
+    attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=4,
+                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=5)
+    plain, kc_plain = _selected_branch(attn, diff_topk=False)
+    differentiable, kc = _selected_branch(attn, diff_topk=True)
+    torch.testing.assert_close(differentiable, plain, rtol=0, atol=0)
+    assert not plain.requires_grad  # nothing reaches the compressed keys without diff_topk
+    (grad,) = torch.autograd.grad(differentiable.square().sum(), kc)
+    assert grad.abs().max() > 0
+
+
+def test_diff_topk_model_trains_the_compressor_through_selection():
+    """In a whole model, diff_topk leaves the logits as they are and changes the compressor's gradient."""
+    grads = []
+    for diff_topk in (False, True):
+        model = tiny_nsa(diff_topk=diff_topk, num_fine_selected=5).train()  # two freely chosen blocks
+        x = torch.randint(0, 64, (2, 33))
+        logits = model(x)
+        F.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
+        grads.append((logits.detach(), model.blocks[0].attn.compress_k.w1.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0])  # the same up to rounding: another summation order
+    assert not torch.allclose(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("n", [37, 64, 101])
+def test_selection_equals_the_dense_formulation(n):
+    """The blocks chosen from the chunked, banded importance are those chosen from the dense
+    [queries, blocks] x [blocks, fine blocks] formulation (sharp scores: no near-ties)."""
+    attn = NativeSparseAttention(dim=16, heads=4, dim_head=8, kv_heads=2, sliding_window_size=4, compress_block_size=6,
+                                 compress_stride=4, fine_block_size=8, num_fine_selected=6)
+    gen = torch.Generator().manual_seed(n)
+    blocks, num_fine = attn.compress_k.num_blocks(n), -(-n // 8)
+    q = 4 * torch.randn(4, 2, n, 8, dtype=torch.float64, generator=gen)
+    kc = 4 * torch.randn(4, blocks, 8, dtype=torch.float64, generator=gen)
+    _, scores, indices = compressed_attention(q, kc, kc, 0, 6, 4, 8, attn._chooser(n))
+    _, importance = naive(q, kc, kc, 0, 6, 4, 8, num_fine)
+    ref_scores, ref_indices = attn._choose(importance, 0, 3)
+    valid = ref_scores > float("-inf")
+    assert torch.equal(scores > float("-inf"), valid)
+    assert torch.equal(indices[valid], ref_indices[valid])
+    torch.testing.assert_close(scores[valid], ref_scores[valid])

@@ -1,0 +1,115 @@
+"""Sparse Sinkhorn attention: causal balancing, token-exact causality, buckets, caching."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient, logits_with_embedding,
+                              assert_causal_by_perturbation, assert_truncated_cache_forgets)
+from models.attention.sinkhorn import SinkhornAttention, sinkhorn
+from models.lm import sinkhorn_lm
+
+BUCKET = 4
+
+
+def tiny_sinkhorn(local_heads=1, **kw):
+    torch.manual_seed(0)
+    knobs = dict(num_tokens=32, dim=32, depth=2, heads=2, dim_head=16, bucket_size=BUCKET,
+                 n_local_attn_heads=local_heads)
+    return sinkhorn_lm(**{**knobs, **kw}).double()
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("t", [0, 3, 4, 5, 7, 8, 13, 22])  # bucket ends, starts, middles
+def test_causal_by_perturbation(t, mode):
+    model = tiny_sinkhorn(attn_dropout=0.1, ff_dropout=0.1).train(mode == "train")
+    assert_causal_by_perturbation(model, torch.randint(0, 32, (2, 23)), t)
+
+
+@pytest.mark.parametrize("local_heads", [0, 1])
+@pytest.mark.parametrize("t", [2, 4, 11, 16])
+def test_causal_by_gradient(t, local_heads):
+    model = tiny_sinkhorn(local_heads).train()  # Gumbel noise on
+    assert_causal_by_gradient(model, torch.randint(0, 32, (2, 21)), t)
+
+
+def test_sorted_buckets_reach_beyond_the_local_window():
+    """With only Sinkhorn heads, a token two buckets on still depends on bucket 0: the sorted
+    bucket carries it (local attention over own + previous bucket could not)."""
+    model = tiny_sinkhorn(local_heads=0, depth=1).eval()
+    logits, emb = logits_with_embedding(model, torch.randint(0, 32, (1, 3 * BUCKET)))
+    (grad,) = torch.autograd.grad(logits[0, 2 * BUCKET].sum(), emb)
+    assert grad[0, :BUCKET].abs().max() > 0
+
+
+def test_local_heads_attend_to_their_bucket_and_the_previous_one():
+    """All heads local: exactly masked attention over the own bucket's past and the bucket before."""
+    torch.manual_seed(0)
+    attn = SinkhornAttention(dim=16, heads=2, dim_head=8, bucket_size=BUCKET, n_local_attn_heads=2).double()
+    n = 19
+    q, k, v = torch.randn(3, 1, 2, n, 8, dtype=torch.double)
+    pos = torch.arange(n)
+    allowed = (pos[None] <= pos[:, None]) & (pos[None] // BUCKET >= pos[:, None] // BUCKET - 1)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    torch.testing.assert_close(attn._attend(torch.zeros(1, n, 16, dtype=torch.double), q, k, v, 0), expected)
+
+
+def test_sinkhorn_rows_are_distributions_over_earlier_buckets_and_ignore_later_rows():
+    scores = torch.randn(2, 6, 6, dtype=torch.double)
+    p = sinkhorn(scores, iterations=8, temperature=0.5)
+    torch.testing.assert_close(p.sum(-1), torch.ones(2, 6, dtype=torch.double))
+    assert torch.equal(p.triu(1), torch.zeros_like(p))
+    changed = scores.clone()
+    changed[:, 3:] = torch.randn(2, 3, 6, dtype=torch.double)
+    torch.testing.assert_close(sinkhorn(changed, 8, 0.5)[:, :3], p[:, :3], rtol=0, atol=0)
+
+
+def test_sinkhorn_rounds_follow_the_definition():
+    """Each round: divide each entry by its column's mass over rows <= its own, then divide each
+    row by its mass; entries above the diagonal are zero. Checked against explicit loops."""
+    scores = torch.randn(5, 5, dtype=torch.double)
+    temperature, rounds = 0.7, 3
+    p = torch.exp(scores / temperature).tril()
+    for _ in range(rounds):
+        p = torch.stack([torch.stack([p[i, j] / p[: i + 1, j].sum() if j <= i else p[i, j] * 0
+                                      for j in range(5)]) for i in range(5)])
+        p = p / p.sum(-1, keepdim=True)
+    torch.testing.assert_close(sinkhorn(scores, rounds, temperature), p)
+
+
+@pytest.mark.parametrize("pieces", [[23], [1] * 23, [5, 3, 8, 7], [8, 1, 1, 13]], ids=str)
+def test_cached_decoding_equals_parallel_forward(pieces):
+    model = tiny_sinkhorn().eval()
+    assert_cached_decoding_equals_parallel(model, torch.randint(0, 32, (2, 23)), pieces)
+
+
+def test_truncated_cache_forgets_the_rolled_back_tokens():
+    model = tiny_sinkhorn().eval()
+    assert_truncated_cache_forgets(model, torch.randint(0, 32, (2, 17)), keep=9)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(bucket_size=0), "bucket_size"), (dict(n_local_attn_heads=3), "n_local_attn_heads"),
+    (dict(sinkhorn_iter=0), "sinkhorn_iter"), (dict(temperature=0.0), "temperature"),
+    (dict(n_local_attn_heads=[1, 1, 1]), "depth is 2"),
+])
+def test_bad_knobs_are_refused_with_the_key(bad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_sinkhorn(**bad)
+
+
+@pytest.mark.parametrize("local, with_sorted", [(0, True), (1, True), (2, False)], ids=["sorted", "mixed", "local"])
+def test_bucket_pairs_backward_equals_autograd_through_slices(local, with_sorted):
+    from models.attention.sinkhorn import _BucketPairs
+
+    torch.manual_seed(0)
+    grid = torch.randn(2, 2, 4, 3, 5, dtype=torch.double, requires_grad=True)  # [b, h, count + 1, B, d]
+    sorted_ = torch.randn(2, 2 - local, 3, 3, 5, dtype=torch.double, requires_grad=True) if with_sorted else None
+    grad = torch.randn(2, 2, 3, 6, 5, dtype=torch.double)
+    ours = _BucketPairs.apply(grid, sorted_, local)
+    extra = grid[:, :local, :-1] if sorted_ is None else torch.cat((grid[:, :local, :-1], sorted_), dim=1)
+    expected = torch.cat((extra, grid[:, :, 1:]), dim=3)
+    assert torch.equal(ours, expected)
+    inputs = (grid,) if sorted_ is None else (grid, sorted_)
+    for a, e in zip(torch.autograd.grad(ours, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        torch.testing.assert_close(a, e)
