@@ -26,8 +26,6 @@ dependencies of this project: `pip install sinkhorn-transformer==0.11.4 routing-
 import argparse
 import contextlib
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -97,7 +95,8 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
 
     from experiments.data.text import ByteText
     from experiments.runtime.run import Run
-    from experiments.runtime.throughput import matmul_peak_flops, peak_memory_mb, reset_peak_memory, training_flops_per_token
+    from experiments.runtime.throughput import (matmul_peak_flops, median_seconds, peak_memory_mb, reset_peak_memory,
+                                                training_flops_per_token)
 
     cfg, model, forward = build(model_name, seq, threads, extra)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
@@ -158,7 +157,7 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
     import torch
 
     from experiments.data.text import ByteText
-    from experiments.runtime.throughput import peak_memory_mb, reset_peak_memory
+    from experiments.runtime.throughput import median_seconds, peak_memory_mb, reset_peak_memory
 
     cfg, model, _ = build(model_name, context + steps + 2, threads, extra)
     if model_name.startswith("ref:"):
@@ -201,18 +200,6 @@ def print_profile(step, rows: int = 20) -> None:
     with profile() as prof:
         step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
-
-
-def median_seconds(step, steps: int) -> float:
-    """The median time of `steps` calls of step(), after one warm-up call (first-call allocations);
-    the median resists a noisy neighbour."""
-    step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def saved_activation_bytes(forward, tokens) -> int:
@@ -262,7 +249,7 @@ def main() -> None:
 
     import torch
 
-    from experiments.runtime.throughput import device_name
+    from experiments.runtime.throughput import device_name, measure_in_child
 
     print(f"{device_name(torch.device('cpu'))}, {args.threads} threads, {args.precision}, "
           f"{'decoding after a cache' if args.decode else 'training step'}", flush=True)
@@ -270,18 +257,18 @@ def main() -> None:
     for _ in range(args.repeat):  # rounds interleave the models, so a noisy spell hits them all
         for seq in args.seq:
             for name in args.models:
-                cmd = [sys.executable, "-m", "experiments.benchmark", "--one", "--models", name, "--seq", str(seq),
-                       "--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads),
-                       "--precision", args.precision, *(["--decode"] if args.decode else []),
-                       *(["--profile"] if args.profile else []), "--override", *args.override]
-                out = subprocess.run(cmd, capture_output=True, text=True)
-                if out.returncode != 0:
-                    print(f"{name:<14} {seq:>6} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+                try:
+                    row, profile = measure_in_child("experiments.benchmark", [
+                        "--models", name, "--seq", str(seq), "--batch", str(args.batch), "--steps", str(args.steps),
+                        "--threads", str(args.threads), "--precision", args.precision,
+                        *(["--decode"] if args.decode else []), *(["--profile"] if args.profile else []),
+                        "--override", *args.override])
+                except RuntimeError as e:
+                    print(f"{name:<14} {seq:>6} failed: {e}")
                     continue
-                *profile, last = out.stdout.strip().splitlines()
                 if profile:
                     print(f"{name} at {seq}:", *profile, sep="\n")
-                rows.setdefault((seq, name), []).append(json.loads(last))
+                rows.setdefault((seq, name), []).append(row)
     table = [median_round(runs) for runs in rows.values()]
     print_table(table, args)
     if args.plot:
@@ -291,7 +278,9 @@ def main() -> None:
 
 def median_round(runs: list[dict]) -> dict:
     """The median round by speed, with the largest peak memory of all rounds."""
-    row = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2])
+    from experiments.runtime.throughput import median_row
+
+    row = dict(median_row(runs, "tokens_per_s"))
     row["peak_mem_mb"] = max(r["peak_mem_mb"] for r in runs)
     return row
 

@@ -20,7 +20,6 @@ do not use; they are stubbed here so that it imports on Python 3.11 without them
 
 import argparse
 import json
-import subprocess
 import sys
 
 TEXT_SEQ_LEN, TEXT_TOKENS, BATCH = 64, 1000, 4
@@ -61,7 +60,7 @@ def reference():
 def measure(name: str, steps: int, threads: int, ff_mult: float) -> dict:
     import torch
 
-    from experiments.benchmark import median_seconds
+    from experiments.runtime.throughput import median_seconds
     from experiments.runtime.throughput import peak_memory_mb
 
     torch.set_num_threads(threads)
@@ -96,20 +95,22 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args.models[0], args.steps, args.threads, args.ff_mult)))
         return
+    from experiments.runtime.throughput import measure_in_child, median_row
+
     rows: dict[str, list[dict]] = {}
     for _ in range(args.repeat):
         for name in args.models:
-            cmd = [sys.executable, "-m", "experiments.benchmark_dalle", "--one", "--models", name,
-                   "--steps", str(args.steps), "--threads", str(args.threads), "--ff-mult", str(args.ff_mult)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                last = (out.stderr.strip().splitlines() or ["?"])[-1]
-                print(f"{name:<6} failed: {last}" + (" (see the module docstring to install it)" if name == "ref" else ""))
+            try:
+                row, _ = measure_in_child("experiments.benchmark_dalle", [
+                    "--models", name, "--steps", str(args.steps), "--threads", str(args.threads),
+                    "--ff-mult", str(args.ff_mult)])
+            except RuntimeError as e:
+                print(f"{name:<6} failed: {e}" + (" (see the module docstring to install it)" if name == "ref" else ""))
                 break
-            rows.setdefault(name, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+            rows.setdefault(name, []).append(row)
     print(f"{'model':<6} {'params':>10} {'tokens/s':>10} {'step s':>8} {'peak MB':>8}")
     for name, runs in rows.items():
-        r = sorted(runs, key=lambda row: row["tokens_per_s"])[len(runs) // 2]
+        r = median_row(runs, "tokens_per_s")
         print(f"{name:<6} {r['params']:>10,} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.3f} "
               f"{max(x['peak_mem_mb'] for x in runs):>8,.0f}")
     print(f"(batch {BATCH}, {TEXT_SEQ_LEN} text + 64 image tokens per sample, fp32, {args.threads} threads, "

@@ -24,8 +24,6 @@ Each measurement runs in a fresh process; rounds interleave them and the median 
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -115,18 +113,6 @@ def call_costs(target, draft, context, gamma: int, calls: int = 21) -> dict:
     return {kind: sorted(ms)[calls // 2] for kind, ms in times.items()}
 
 
-def child(args: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "experiments.benchmark_speculative", "--one", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError((out.stderr.strip().splitlines() or ["?"])[-1])
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def median(rows: list[dict], key: str) -> dict:
-    return sorted(rows, key=lambda row: row[key])[len(rows) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=["ours", "ref"], choices=["ours", "ref"],
@@ -146,6 +132,8 @@ def main() -> None:
                if args.run else plain(args.models[0], args.threads))
         print(json.dumps(row))
         return
+    from experiments.runtime.throughput import measure_in_child, median_row
+
     rows: dict[str, list[dict]] = {}
     failed = set()
     for _ in range(args.repeat):
@@ -156,11 +144,12 @@ def main() -> None:
                                   "--dtype", args.dtype]))
         for name, extra in jobs:
             try:
-                rows.setdefault(name, []).append(child([*extra, "--threads", str(args.threads)]))
+                rows.setdefault(name, []).append(
+                    measure_in_child("experiments.benchmark_speculative", [*extra, "--threads", str(args.threads)])[0])
             except RuntimeError as e:
                 print(f"{name} failed: {e}" + (" (see the module docstring to install it)" if name == "ref" else ""))
                 failed.add(name)
-    plain_rows = {name: median(runs, "tokens_per_s") for name, runs in rows.items() if name != "pair" and runs}
+    plain_rows = {name: median_row(runs, "tokens_per_s") for name, runs in rows.items() if name != "pair" and runs}
     if plain_rows:
         print(f"plain decoding, seed target: {PRIME}-token prime, {LENGTH} greedy tokens, batch 1, fp32")
         print(f"{'model':<6} {'params':>12} {'tokens/s':>10}")
@@ -169,7 +158,7 @@ def main() -> None:
         if {"ours", "ref"} <= set(plain_rows):
             print(f"ours / ref: {plain_rows['ours']['tokens_per_s'] / plain_rows['ref']['tokens_per_s']:.2f}x")
     if rows.get("pair"):
-        r = median(rows["pair"], "speedup")
+        r = median_row(rows["pair"], "speedup")
         print(f"\n{args.run}: target {r['target_params']:,} params, draft {r['draft_params']:,}; "
               f"{args.primes} validation primes, {args.length} tokens each, temperature {args.temperature}, {args.dtype}")
         print(f"plain        {r['plain_tokens_per_s']:>8.1f} tokens/s")

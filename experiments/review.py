@@ -26,6 +26,8 @@ from typing import Optional
 
 import yaml
 
+from experiments.runtime.run import METRICS, OVERRIDES, SUMMARY
+
 STALE_S = 600  # a run without a summary and no metrics written for this long was killed
 
 COLUMNS = ["run", "status", "step", "best", "final", "tokens_per_s", "peak_mem_mb", "params", "wall_s"]
@@ -45,7 +47,7 @@ class RunRecord:
         if status == "running" and not _alive(self.summary):
             return "interrupted"  # its process is gone: killed
         if status is None:
-            fresh = (self.path / "metrics.jsonl").exists() and time.time() - (self.path / "metrics.jsonl").stat().st_mtime < STALE_S
+            fresh = (self.path / METRICS).exists() and time.time() - (self.path / METRICS).stat().st_mtime < STALE_S
             return "running" if fresh else "interrupted"
         return status
 
@@ -101,7 +103,7 @@ class RunRecord:
 def find_runs(paths: list[Path]) -> list[RunRecord]:
     found = {}
     for root in paths:
-        candidates = [root] if _is_run(root) else [p.parent.parent for p in root.rglob(".hydra/overrides.yaml")]
+        candidates = [root] if _is_run(root) else [p.parent.parent for p in root.rglob(OVERRIDES)]
         for path in candidates:
             if _is_run(path):
                 found[path.resolve()] = load_run(path)
@@ -111,26 +113,26 @@ def find_runs(paths: list[Path]) -> list[RunRecord]:
 
 
 def _is_run(path: Path) -> bool:
-    return (path / ".hydra" / "overrides.yaml").is_file() and (
-        (path / "summary.json").is_file() or (path / "metrics.jsonl").is_file()
+    return (path / OVERRIDES).is_file() and (
+        (path / SUMMARY).is_file() or (path / METRICS).is_file()
     )
 
 
 def load_run(path: Path) -> RunRecord:
     overrides = {}
-    for item in yaml.safe_load((path / ".hydra" / "overrides.yaml").read_text()) or []:
+    for item in yaml.safe_load((path / OVERRIDES).read_text()) or []:
         key, _, value = str(item).partition("=")
         if not key.lstrip("+~").startswith("hydra."):
             overrides[key.lstrip("+~")] = value
     summary = {}
-    if (path / "summary.json").is_file():
+    if (path / SUMMARY).is_file():
         try:
-            summary = json.loads((path / "summary.json").read_text())
+            summary = json.loads((path / SUMMARY).read_text())
         except json.JSONDecodeError:
             summary = {}
     metrics = []
-    if (path / "metrics.jsonl").is_file():
-        for line in (path / "metrics.jsonl").read_text().splitlines():
+    if (path / METRICS).is_file():
+        for line in (path / METRICS).read_text().splitlines():
             try:
                 metrics.append(json.loads(line))
             except json.JSONDecodeError:
@@ -334,7 +336,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     runs = find_runs(args.paths)
     if not runs:
-        print(f"error: no run directories (with .hydra/overrides.yaml and metrics.jsonl or summary.json) under "
+        print(f"error: no run directories (with {OVERRIDES} and {METRICS} or {SUMMARY}) under "
               f"{', '.join(map(str, args.paths))}", file=sys.stderr)
         return 1
     metric = args.metric

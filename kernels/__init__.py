@@ -15,3 +15,9 @@ def triton_interpreting() -> bool:
 def triton_runnable() -> bool:
     """Whether the Triton kernel can run here: on CUDA, or in Triton's interpreter."""
     return torch.cuda.is_available() or triton_interpreting()
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """Softmax scores and statistics in fp32 at least: half-precision sums lose the small terms
+    (fp64 stays fp64, so the float64 tests check the algorithm exactly)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -25,16 +25,10 @@ from models.sampling import decoding_linears, probabilities
 @dataclass
 class SpeculativeStats:
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verification step
-    drafted: list[int] = field(default_factory=list)  # tokens drafted per verification step
 
     @property
     def mean_accepted(self) -> float:
         return sum(self.accepted) / max(1, len(self.accepted))
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted draft tokens as a fraction of the drafted ones."""
-        return sum(self.accepted) / max(1, sum(self.drafted))
 
 
 def _draw(probs: Tensor, generator: Optional[torch.Generator]) -> Tensor:
@@ -110,7 +104,6 @@ def _generate_row(target, draft, prompt, length, gamma, temperature, top_k, gene
         accepted, new_token = verify(p_probs, q_probs, drafted, generator)
         if g:
             stats.accepted.append(accepted)
-            stats.drafted.append(g)
         committed = len(seq) + accepted  # seq before this round, plus the accepted draft tokens
         seq += drafted[:accepted] + [new_token]
         t_len, d_len = min(t_len, committed), min(d_len, committed)

@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 class ByteData:
     """Train/validation byte arrays with crop sampling. Subclasses only load the bytes."""
 
-    num_tokens = 256
-
     def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, name: str):
         if seq_len < 1:
             raise UserError(f"data.seq_len={seq_len} must be at least 1")

@@ -47,7 +47,6 @@ class Trainee:
 class LocalBackend:
     rank = 0
     world_size = 1
-    is_main = True
 
     def setup(self, trainer) -> None:
         """Pick the device, seed every generator, set CPU threads. Runs before the model is built."""
@@ -134,7 +133,6 @@ class DDPBackend(LocalBackend):
         self.timeout_s = timeout_s
         self.find_unused_parameters = find_unused_parameters
         self.rank, self.world_size = launch.rank(), launch.world_size()
-        self.is_main = self.rank == 0
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -247,7 +245,7 @@ class DeepSpeedBackend(DDPBackend):
             t.forward.save_checkpoint(str(partial), tag=tag, save_latest=False)
             state[f"{t.prefix}model"] = self._fp32_weights(t, partial, tag)
         dist.barrier()
-        if self.is_main:
+        if self.rank == 0:
             final = directory / name
             if final.exists():
                 shutil.rmtree(final)
@@ -263,7 +261,7 @@ class DeepSpeedBackend(DDPBackend):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         dist.barrier()  # every partition on disk
-        return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag) if self.is_main else {}
+        return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag) if self.rank == 0 else {}
 
     def load_checkpoint_state(self, trainees: list[Trainee], state: dict, path: Path) -> None:
         engine_dir = path.with_suffix("")

@@ -24,6 +24,10 @@ from experiments.runtime.files import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
+# what a run directory holds (DESIGN.md section 4); experiments/review.py reads runs by these names
+METRICS, SUMMARY, CHECKPOINTS, SAMPLES, HYDRA = "metrics.jsonl", "summary.json", "checkpoints", "samples", ".hydra"
+OVERRIDES = f"{HYDRA}/overrides.yaml"
+
 
 class Run:
     def __init__(
@@ -71,19 +75,19 @@ class Run:
 
     @property
     def metrics_path(self) -> Path:
-        return self.dir / "metrics.jsonl"
+        return self.dir / METRICS
 
     @property
     def summary_path(self) -> Path:
-        return self.dir / "summary.json"
+        return self.dir / SUMMARY
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.dir / "checkpoints"
+        return self.dir / CHECKPOINTS
 
     @property
     def samples_dir(self) -> Path:
-        return self.dir / "samples"
+        return self.dir / SAMPLES
 
     # ---- records -----------------------------------------------------------------------------
 
@@ -112,17 +116,17 @@ class Run:
     def keep_hydra_files(self) -> None:
         """Copy the first session's .hydra/*.yaml aside: Hydra rewrites them on every start, even
         for a resume that is then refused, and they must keep describing this run."""
-        hydra_dir, original = self.dir / ".hydra", self.dir / ".hydra" / "original"
+        hydra_dir, original = self.dir / HYDRA, self.dir / HYDRA / "original"
         if self.is_main and hydra_dir.is_dir() and not original.exists():
             original.mkdir()
             for path in hydra_dir.glob("*.yaml"):
                 shutil.copy2(path, original / path.name)
 
     def restore_hydra_files(self) -> None:
-        original = self.dir / ".hydra" / "original"
+        original = self.dir / HYDRA / "original"
         if self.is_main and original.is_dir():
             for path in original.glob("*.yaml"):
-                shutil.copy2(path, self.dir / ".hydra" / path.name)
+                shutil.copy2(path, self.dir / HYDRA / path.name)
 
     def update_summary(self, **fields: Any) -> None:
         self.summary.update(fields)

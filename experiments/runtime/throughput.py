@@ -1,6 +1,9 @@
 """Figures for MFU: the device's measured matmul peak, and the FLOPs of one training step."""
 
+import json
 import platform
+import subprocess
+import sys
 import time
 
 import torch
@@ -98,3 +101,34 @@ def reset_peak_memory(device: torch.device) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ---- benchmark rounds: each measurement in a fresh process, rounds interleaved, the median kept
+
+
+def median_seconds(step, steps: int) -> float:
+    """The median time of `steps` calls of step(), after one warm-up call (first-call allocations);
+    the median resists a noisy neighbour."""
+    step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_in_child(module: str, args: list[str]) -> tuple[dict, list[str]]:
+    """`python -m module --one *args` in a fresh process (no allocator or cache state carried over)
+    -> (the JSON row it prints last, the lines it printed before). Raises RuntimeError with its last
+    line of stderr when it fails."""
+    out = subprocess.run([sys.executable, "-m", module, "--one", *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError((out.stderr.strip().splitlines() or ["?"])[-1])
+    *before, last = out.stdout.strip().splitlines()
+    return json.loads(last), before
+
+
+def median_row(rows: list[dict], key: str) -> dict:
+    """The median round of interleaved rounds by `key`."""
+    return sorted(rows, key=lambda row: row[key])[len(rows) // 2]

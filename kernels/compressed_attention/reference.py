@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import at_least_fp32
+
 # score elements (fp32) per chunk: large enough for efficient products, small enough for the cache
 _CHUNK_ELEMENTS = 1 << 20
 
@@ -44,7 +46,7 @@ class Layout:
         bh, g, _, d = q_scaled.shape
         size = c1 - c0
         scores = torch.bmm(q_scaled[:, :, c0:c1].reshape(bh, g * size, d), kc[:, :k1].transpose(1, 2))
-        scores = scores.view(bh, g, size, k1).to(torch.promote_types(scores.dtype, torch.float32))
+        scores = at_least_fp32(scores.view(bh, g, size, k1))
         if k0 < k1:  # blocks k0.. that the chunk's earlier queries cannot see yet
             hidden = torch.arange(k0, k1, device=kc.device)[None] >= self.counts[c0:c1, None]
             scores[..., k0:].masked_fill_(hidden, float("-inf"))

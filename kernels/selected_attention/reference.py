@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import at_least_fp32
+
 # gathered key elements per chunk, sized to stay in cache (the backward holds twice as much)
 _FORWARD_CHUNK = 1 << 20
 _BACKWARD_CHUNK = 1 << 19
@@ -53,7 +55,7 @@ class _Rows:
 
     def slot_weights(self, weights: Tensor) -> Tensor:
         """[rows, 1, selected * block]: each slot's weight repeated over its keys."""
-        return _accumulate(weights).reshape(self.indices.shape[0], -1).repeat_interleave(self.block, -1)[:, None]
+        return at_least_fp32(weights).reshape(self.indices.shape[0], -1).repeat_interleave(self.block, -1)[:, None]
 
     def allowed(self, rows: slice) -> Tensor:
         """[chunk, 1, selected * block]: valid slots, keys at or before the query position."""
@@ -65,9 +67,6 @@ def _finite(lse: Tensor) -> Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def _accumulate(x: Tensor) -> Tensor:
-    """Softmax statistics in fp32 at least (fp64 stays fp64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class SelectedAttention(torch.autograd.Function):
@@ -80,9 +79,9 @@ class SelectedAttention(torch.autograd.Function):
         k_table, v_table = _block_table(k, block), _block_table(v, block)
         qf = q.reshape(bh * m, g, d)
         out = torch.empty_like(qf)
-        lse = _accumulate(q.new_empty(bh * m, g))
+        lse = at_least_fp32(q.new_empty(bh * m, g))
         for r in rows.chunks():
-            scores = _accumulate(torch.bmm(qf[r], rows.gather(k_table, r).transpose(1, 2))) * scale
+            scores = at_least_fp32(torch.bmm(qf[r], rows.gather(k_table, r).transpose(1, 2))) * scale
             scores = scores.masked_fill(~rows.allowed(r), float("-inf"))
             lse[r] = scores.logsumexp(-1)
             probs = (scores - _finite(lse[r])[..., None]).exp()
@@ -100,18 +99,18 @@ class SelectedAttention(torch.autograd.Function):
         scale = d**-0.5
         rows = _Rows(q, indices, valid, ctx.start, ctx.block, k.shape[1], _BACKWARD_CHUNK)
         slot_weights = None if weights is None else rows.slot_weights(weights)
-        dweights = None if weights is None else _accumulate(torch.zeros_like(weights)).view(bh * m, -1)
+        dweights = None if weights is None else at_least_fp32(torch.zeros_like(weights)).view(bh * m, -1)
         k_table, v_table = _block_table(k, ctx.block), _block_table(v, ctx.block)
         dk_table, dv_table = torch.zeros_like(k_table), torch.zeros_like(v_table)
         qf, dof = q.reshape(bh * m, g, d), dout.reshape(bh * m, g, d)
         dq = torch.empty_like(qf)
         # dS = P * (dP - rowsum(dO * O) + dlse), with rowsum(dO * O) = rowsum(P * dP) taken per chunk
-        dlse = None if dlse is None else _accumulate(dlse).reshape(bh * m, g)
+        dlse = None if dlse is None else at_least_fp32(dlse).reshape(bh * m, g)
         for r in rows.chunks():
             kg, vg = rows.gather(k_table, r), rows.gather(v_table, r)
-            scores = _accumulate(torch.bmm(qf[r], kg.transpose(1, 2))) * scale
+            scores = at_least_fp32(torch.bmm(qf[r], kg.transpose(1, 2))) * scale
             probs = (scores - _finite(lse[r])[..., None]).exp().masked_fill(~rows.allowed(r), 0.0)
-            dprobs = _accumulate(torch.bmm(dof[r], vg.transpose(1, 2)))
+            dprobs = at_least_fp32(torch.bmm(dof[r], vg.transpose(1, 2)))
             weighted = probs
             if slot_weights is not None:  # out = sum_s w_s P_s V_s: w_s gets sum(P_s * dP_s)
                 dweights[r] = (probs * dprobs).sum(1).view(probs.shape[0], -1, ctx.block).sum(-1)

@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kernels import at_least_fp32
+
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, keep: Optional[Tensor] = None,
                      dropout: float = 0.0) -> Tensor:
@@ -42,7 +44,7 @@ class _MaskedAttention(torch.autograd.Function):
         grad_out = grad_out.to(v.dtype)
         dropped = probs if keep is None else probs * keep / (1 - ctx.dropout)
         grad_v = dropped.to(v.dtype).transpose(-1, -2) @ grad_out
-        grad_weights = _softmax_precision(grad_out @ v.transpose(-1, -2))
+        grad_weights = at_least_fp32(grad_out @ v.transpose(-1, -2))
         if keep is not None:
             grad_weights.mul_(keep).div_(1 - ctx.dropout)
         # softmax backward: dS = P * (dP - rowsum(dP * P))
@@ -54,9 +56,5 @@ class _MaskedAttention(torch.autograd.Function):
 
 def _probabilities(q_scaled: Tensor, k: Tensor, mask: Tensor) -> Tensor:
     """softmax over the allowed keys, [..., m, n] (one fused kernel; recomputed in the backward)."""
-    scores = _softmax_precision(q_scaled @ k.transpose(-1, -2)).masked_fill_(~mask, float("-inf"))
+    scores = at_least_fp32(q_scaled @ k.transpose(-1, -2)).masked_fill_(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1)
-
-
-def _softmax_precision(t: Tensor) -> Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))

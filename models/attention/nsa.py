@@ -39,8 +39,8 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from kernels import at_least_fp32, triton_runnable
 from kernels.compressed_attention import block_selection, causal_block_attention, compressed_attention
-from kernels import triton_runnable
 from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
@@ -342,7 +342,7 @@ def _gathered_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid:
     heads = (torch.arange(b, device=q.device)[:, None, None, None], torch.arange(h, device=q.device)[None, :, None, None])
     keys, values = k[heads + (safe,)], v[heads + (safe,)]  # [b, h, m, keys, d]
     scores = torch.einsum("bhgmd,bhmkd->bhgmk", q, keys)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * d**-0.5
+    scores = at_least_fp32(scores) * d**-0.5
     probs = scores.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1)
     return torch.einsum("bhgmk,bhmkd->bhgmd", probs.to(q.dtype), values)
 

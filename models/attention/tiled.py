@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import at_least_fp32
+
 Rule = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -75,7 +77,7 @@ class _Tiles:
         """Masked scores in fp32 at least, [bh, tiles, g, tile, keys]."""
         bh, count = qt.shape[:2]
         scores = (qt @ kt.transpose(-1, -2)).view(bh, count, g, self.tile, -1)
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        scores = at_least_fp32(scores)
         return scores.masked_fill_(~self.mask, float("-inf"))
 
 

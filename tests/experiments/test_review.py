@@ -12,7 +12,7 @@ from matplotlib.image import imread
 
 from tests.helpers.runs import ROOT, TINY, TINY_NSA, run_env
 from experiments.review import find_runs, main, pareto_front
-from experiments.config.schema import job_subdir
+from experiments.config.resolvers import job_subdir
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ def test_greedy_speculative_equals_greedy_plain(gamma, batch, pair):
     plain = generate(target, prompt, length, temperature=0)
     spec, stats = speculative_generate(target, draft, prompt, length, gamma=gamma, temperature=0)
     assert torch.equal(spec, plain)
-    assert sum(stats.drafted) > 0
+    assert len(stats.accepted) > 0  # it verified drafts, not only plain steps
 
 
 def test_rows_accept_different_numbers_and_still_match():

@@ -1,8 +1,8 @@
 """GPU timings of NSA's selected-block attention: the Triton kernel against the torch reference and
 dense flash attention, forward and forward+backward, then whole-model training tokens/s.
 
-    python -m kernels.benchmark                      # 8k, 16k, 32k, 64k tokens, bf16
-    python -m kernels.benchmark --lengths 8192 --dtype fp16
+    python -m experiments.benchmark_kernels                      # 8k, 16k, 32k, 64k tokens, bf16
+    python -m experiments.benchmark_kernels --lengths 8192 --dtype fp16
 
 On a machine without CUDA it says so and exits 0 (the kernels are verified there by the tests,
 under TRITON_INTERPRET=1).
@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from experiments.runtime.backends import DTYPES
 
 
 def timed(fn, repeats: int = 10) -> float:

@@ -1,0 +1,33 @@
+"""Resolvers the config names: `${job_subdir:...}` (conf/config.yaml's hydra.sweep.subdir)."""
+
+import sys
+from typing import Any, Optional
+
+
+def job_subdir(task_overrides: Any, seed: Any, sweeper_params: Any = None, job_num: Any = None) -> str:
+    """A sweep job's directory: the values of the swept keys (not every override on the command
+    line), then the seed as its own last level, e.g. `model.num_fine_selected=4/seed=1`. A sweeper
+    that picks values itself (Optuna) may pick the same ones twice, so its jobs lead with
+    `trial=<job number>`."""
+    swept = _swept_keys(sys.argv[1:])
+    if swept is not None and sweeper_params:
+        swept |= set(sweeper_params)
+    parts = sorted(
+        o.replace("/", "_") for o in task_overrides
+        if (key := o.split("=", 1)[0].lstrip("+~")) != "trainer.seed" and (swept is None or key in swept)
+    )
+    if sweeper_params:
+        parts.insert(0, f"trial={job_num}")
+    name = ",".join(parts)
+    return f"{name}/seed={seed}" if name else f"seed={seed}"
+
+
+def _swept_keys(args: list[str]) -> Optional[set[str]]:
+    """Keys given several values on the command line (None if it cannot be parsed)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
+    except Exception:
+        return None
+    return {o.key_or_group for o in overrides if o.is_sweep_override()}
