@@ -168,3 +168,12 @@ def test_local_runs_and_help_never_import_deepspeed(tmp_path):
         out = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True,
                              timeout=300, env=run_env())
         assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
+
+
+def test_help_lists_the_groups_a_user_picks_from_and_no_schemas():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=run_env())
+    groups = out.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    listed = {line.split(":")[0] for line in groups.splitlines() if ": " in line}
+    assert listed == {"backend", "data", "experiment", "model", "optimizer", "schedule", "task", "tracker"}
+    assert "schema" not in out.stdout
