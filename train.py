@@ -18,14 +18,14 @@ register()  # the config schemas, before Hydra composes
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from experiments.config.checks import check_trainer
+    from experiments.config.checks import check_config
     from experiments.runtime import launch
     from experiments.runtime.build import build
     from experiments.runtime.run import Run
     from experiments.tasks.loop import Loop
 
     with Run.from_hydra(is_main=launch.rank() == 0) as run:
-        check_trainer(cfg.trainer)
+        check_config(cfg)
         backend = build(cfg.backend, "backend")
         backend.setup(cfg.trainer)  # device, seeds, threads: before anything is built
         task = build(cfg.task, "task")
@@ -40,9 +40,16 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     import sys
+    from pathlib import Path
 
-    from experiments.runtime.launch import prepare_argv
+    from experiments.config.checks import composition_error
+    from experiments.runtime.launch import output_dir_error, prepare_argv
 
     # a launcher's --local_rank, and one run directory for every rank, before Hydra parses argv
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]
+    overrides = sys.argv[1:]
+    if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
+        conf = str(Path(__file__).resolve().parent / "conf")
+        if error := composition_error(conf, overrides) or output_dir_error(overrides):
+            sys.exit(f"error: {error}")
     main()

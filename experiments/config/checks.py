@@ -1,23 +1,168 @@
-"""Rules across config values that a type cannot express, checked before anything is built.
+"""Rules a type cannot express, checked on the composed config before anything is built.
 
-Rules that belong to one model live in its constructor (NSA: heads % kv_heads, stride <= block,
-...), which raises a ValueError naming the knob before training starts; these are the trainer's.
+`check_config` reports every problem of the config in one line: keys no schema knows (a `+key=`
+override adds them past Hydra's own check), values still missing, and values out of range, by key
+name wherever the key appears. Rules that tie one model's knobs together live in its constructor
+(NSA: heads % kv_heads, stride <= block, ...) and raise a ValueError naming the knob, also before
+training starts.
 """
 
+import difflib
+import math
+import re
+from dataclasses import fields
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.config.schema import SCHEMAS, Config, TrainerConfig
 from experiments.runtime.errors import UserError
 
+_SECTIONS = ("trainer", "model", "draft", "vae", "data", "optimizer", "schedule", "backend", "tracker", "task")
 
-def check_trainer(trainer) -> None:
+# (rule, what the value must be): each key checked wherever it appears, in every section
+_AT_LEAST_1 = {
+    "dim", "depth", "heads", "dim_head", "num_tokens", "ff_chunks", "kv_heads", "sliding_window_size",
+    "compress_block_size", "compress_stride", "fine_block_size", "num_fine_selected", "bucket_size", "sinkhorn_iter",
+    "window_size", "num_clusters", "image_size", "codebook_dim", "num_layers", "hidden_dim", "channels", "seq_len",
+    "text_seq_len", "kernel_size", "prime_length", "generate_length", "num_samples", "gamma", "window",
+    "total_steps", "train_bytes", "val_bytes", "max_steps", "batch_size", "grad_accum", "val_batches", "log_every",
+    "keep_checkpoints",
+}
+_AT_LEAST_0 = {
+    "num_resnet_blocks", "warmup_steps", "patience", "cooldown", "vae_steps", "weight_decay", "anneal_rate",
+    "kl_weight", "temperature", "temperature_min", "commitment_weight", "loss_img_weight", "min_lr",
+    "initial_loss_scale_power", "cond_scale",
+}
+_STEPS = {"validate_every", "generate_every", "checkpoint_every"}  # 0: off
+_POSITIVE = {"lr", "eps", "ff_mult", "compress_hidden_mult", "vae_lr", "timeout_s"}
+_FRACTION = {"attn_dropout", "ff_dropout", "cond_drop_prob", "filter_thres", "ema_decay"}  # [0, 1)
+_OPEN_FRACTION = {"val_fraction", "factor"}  # (0, 1)
+_OPTIONAL_AT_LEAST_1 = {"top_k": "the full distribution", "emb_dim": "dim", "threads": "torch's default"}
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _rule(key: str, value) -> Optional[str]:
+    """What is wrong with `value` for `key` (None: nothing, or no rule for the key)."""
+    if key in _OPTIONAL_AT_LEAST_1:
+        return None if value is None or (_number(value) and value >= 1) else \
+            f"must be at least 1, or null for {_OPTIONAL_AT_LEAST_1[key]}"
+    if key == "clip_grad_norm":
+        return None if value is None or (_number(value) and value > 0) else "must be positive, or null for no clipping"
+    if key == "betas":
+        ok = isinstance(value, list) and len(value) == 2 and all(_number(b) and 0 <= b < 1 for b in value)
+        return None if ok else "must be two numbers in [0, 1), e.g. [0.9, 0.99]"
+    if key == "min_lr_ratio":
+        return None if _number(value) and 0 <= value <= 1 else "must lie in [0, 1]"
+    if key == "resize_ratio":
+        return None if _number(value) and 0 < value <= 1 else "must lie in (0, 1]"
+    if key in ("offload_optimizer", "offload_param"):
+        return None if value in ("none", "cpu", "nvme") else "must be none, cpu or nvme"
+    if key == "zero_stage":
+        return None if value in (0, 1, 2, 3) else "must be 0, 1, 2 or 3"
+    if key == "n_local_attn_heads":
+        ok = (isinstance(value, int) and value >= 0) or (isinstance(value, list) and all(
+            isinstance(v, int) and v >= 0 for v in value))
+        return None if ok else "must be an int >= 0, or one int >= 0 per layer"
+    checks: list[tuple[set, Callable[[Any], bool], str]] = [
+        (_AT_LEAST_1, lambda v: v >= 1, "must be at least 1"),
+        (_AT_LEAST_0, lambda v: v >= 0, "must be 0 or more"),
+        (_STEPS, lambda v: v >= 0, "must be 0 (off) or a number of steps"),
+        (_POSITIVE, lambda v: v > 0, "must be positive"),
+        (_FRACTION, lambda v: 0 <= v < 1, "must lie in [0, 1)"),
+        (_OPEN_FRACTION, lambda v: 0 < v < 1, "must lie strictly between 0 and 1"),
+    ]
+    for keys, fine, what in checks:
+        if key in keys:
+            return None if _number(value) and math.isfinite(value) and fine(value) else what
+    return None
+
+
+def _schema_of(name: str, section: DictConfig):
+    if name == "trainer":
+        return TrainerConfig
+    target = section.get("_target_")
+    return next((schema for options in SCHEMAS.values() for schema in options.values() if schema._target_ == target),
+                None)
+
+
+def _unknown_keys(cfg: DictConfig) -> list[str]:
     problems = []
-    for key in ("max_steps", "batch_size", "grad_accum", "val_batches", "log_every", "keep_checkpoints"):
-        if trainer[key] < 1:
-            problems.append(f"trainer.{key}={trainer[key]} must be at least 1")
-    for key in ("validate_every", "generate_every", "checkpoint_every"):
-        if trainer[key] < 0:
-            problems.append(f"trainer.{key}={trainer[key]} must be 0 (off) or a number of steps")
-    if trainer.clip_grad_norm is not None and trainer.clip_grad_norm <= 0:
-        problems.append(f"trainer.clip_grad_norm={trainer.clip_grad_norm} must be positive, or null for no clipping")
-    if trainer.threads is not None and trainer.threads < 1:
-        problems.append(f"trainer.threads={trainer.threads} must be at least 1, or null for torch's default")
+    known_sections = {f.name for f in fields(Config)}
+    for key in cfg:
+        if key not in known_sections:
+            problems.append(f"{key} is not a config section (sections: {', '.join(_SECTIONS)})")
+    for name in _SECTIONS:
+        section = cfg.get(name)
+        schema = _schema_of(name, section) if isinstance(section, DictConfig) else None
+        if schema is None:
+            continue
+        known = [f.name for f in fields(schema)]
+        for key in section:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f": did you mean {name}.{close[0]}?" if close else f": {name} has {', '.join(k for k in known if not k.startswith('_'))}"
+                problems.append(f"{name}.{key} is not a key of this {name} config{hint}")
+    return problems
+
+
+def _missing(cfg: DictConfig) -> list[str]:
+    hints = {"data.path": "the folder or file to read"}
+    return [f"{key} has no value: set {key}=<{hints.get(key, 'a value')}>" for key in sorted(OmegaConf.missing_keys(cfg))]
+
+
+def _out_of_range(cfg: DictConfig) -> list[str]:
+    problems = []
+    for name in _SECTIONS:
+        section = cfg.get(name)
+        if not isinstance(section, DictConfig):
+            continue
+        for key in section:
+            if OmegaConf.is_missing(section, key):
+                continue
+            value = section[key]
+            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else getattr(value, "value", value)
+            if (what := _rule(key, value)) is not None:
+                problems.append(f"{name}.{key}={value} {what}")
+    return problems
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Every problem of the composed config at once, as one line; nothing is built before it passes."""
+    problems = _unknown_keys(cfg) + _missing(cfg)
+    problems += _out_of_range(cfg) if not problems else []
     if problems:
         raise UserError("; ".join(problems))
+
+
+def _close_key(section: str, key: str) -> Optional[str]:
+    """The known key of `section` (any option of its group) closest to a misspelt one."""
+    group = {"draft": "model", "vae": "model"}.get(section, section)
+    schemas = [TrainerConfig] if section == "trainer" else list(SCHEMAS.get(group, {}).values())
+    known = {f.name for schema in schemas for f in fields(schema) if not f.name.startswith("_")}
+    return next(iter(difflib.get_close_matches(key, sorted(known), n=1)), None)
+
+
+def composition_error(config_dir: str, overrides: list[str]) -> Optional[str]:
+    """Hydra's complaint about composing the config with `overrides` (a misspelt key or option, a value
+    of the wrong type), as one line; None when it composes. Hydra would print it over several lines."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train"):
+            compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        text = str(e) + (f"\n{e.__cause__}" if e.__cause__ is not None else "")
+        text = re.sub(r"To append to your config use \S+", "", text.split("Config search path:")[0])
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if (bad := re.search(r"Could not override '(\w+)\.([\w.]+)'", text)) and (close := _close_key(*bad.groups())):
+            lines.append(f"did you mean {bad.group(1)}.{close}?")
+        lines = [line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type="))]
+        return " ".join(line if line.endswith((":", ".")) else line + ";" for line in lines).rstrip(";") + \
+            " (python train.py --help lists every group, option and key)"
+    return None

@@ -68,6 +68,7 @@ class ImageTextFolder:
             raise UserError(f"data.path={path}: found {len(items)} captioned images; need at least 2 "
                             "(image files with same-stem .txt captions, or .tar shards of them)")
         self._tokens = {item.key: [self._tokenize(c, item.key) for c in item.captions] for item in items}
+        self.root = root
         n_val = max(1, int(len(items) * val_fraction))
         self.train_items, self.val_items = items[:-n_val], items[-n_val:]
         self._bad: set[str] = set()
@@ -75,6 +76,7 @@ class ImageTextFolder:
         digest = hashlib.sha256("\n".join(f"{i.key}:{'|'.join(i.captions)}" for i in items).encode())
         self.fingerprint = f"{self.name}:{len(items)}:{digest.hexdigest()[:16]}"
         log.info("data %s: %d captioned images (%d for validation)", path, len(items), n_val)
+        self._image(items, 0, None)  # one readable image at least, or say so now rather than at step 1
 
     # ---- indexing
 
@@ -97,13 +99,16 @@ class ImageTextFolder:
         items, missing = [], 0
         for shard in shards:
             groups: dict[str, dict[str, tarfile.TarInfo]] = {}
-            with tarfile.open(shard) as tar:
-                for member in tar.getmembers():
-                    if member.isfile():
-                        key, _, ext = member.name.partition(".")
-                        groups.setdefault(key, {})[f".{ext.lower()}"] = member
-                texts = {key: tar.extractfile(g[".txt"]).read().decode(errors="replace")
-                         for key, g in groups.items() if ".txt" in g}
+            try:
+                with tarfile.open(shard) as tar:
+                    for member in tar.getmembers():
+                        if member.isfile():
+                            key, _, ext = member.name.partition(".")
+                            groups.setdefault(key, {})[f".{ext.lower()}"] = member
+                    texts = {key: tar.extractfile(g[".txt"]).read().decode(errors="replace")
+                             for key, g in groups.items() if ".txt" in g}
+            except (tarfile.TarError, OSError, EOFError) as e:
+                raise UserError(f"data.path: {shard} is not a readable tar shard ({e}): replace or remove it") from None
             for key, group in sorted(groups.items()):
                 image = next((m for ext, m in group.items() if ext in IMAGE_SUFFIXES), None)
                 if image is None:
@@ -139,7 +144,8 @@ class ImageTextFolder:
                 self._bad.add(item.key)
                 continue
             return item, self._crop(image, gen)
-        raise UserError("none of the images in data.path can be read")
+        raise UserError(f"data.path={self.root}: none of its {len(items)} images can be read (see the warnings above): "
+                        "give a folder of PNG/JPEG images with same-stem .txt captions")
 
     def _crop(self, image: Image.Image, gen: Optional[torch.Generator]) -> Tensor:
         """A square crop resized to image_size -> [channels, size, size] in [0, 1]."""

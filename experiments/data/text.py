@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import sysconfig
+import zlib
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -114,11 +115,21 @@ def default_cache_dir() -> Path:
 
 def read_bytes(path: Path, *, key: str, limit: Optional[int] = None, hint: str = "") -> np.ndarray:
     """A file's bytes as uint8 (gzip-compressed files by their .gz suffix)."""
+    if path.is_dir():
+        raise UserError(f"{key}={path} is a directory: give the file to read")
     if not path.is_file():
-        raise UserError(f"{key}={path}: no such file{' (' + hint + ')' if hint else ''}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read(-1 if limit is None else limit)
+        raise UserError(f"{key}={path}: no such file: {hint or 'check the path'}")
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                raw = f.read(-1 if limit is None else limit)
+        else:
+            with open(path, "rb") as f:
+                raw = f.read(-1 if limit is None else limit)
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, cut short, unreadable
+        what = "a complete gzip file" if path.suffix == ".gz" else "readable"
+        raise UserError(f"{key}={path} is not {what} ({e}): give an intact file (a .gz is read as gzip, "
+                        "anything else as raw bytes)") from None
     return np.frombuffer(raw, dtype=np.uint8).copy()
 
 

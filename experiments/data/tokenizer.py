@@ -68,7 +68,11 @@ class BPETokenizer:
             raise UserError("data.tokenizer=<a BPE file> needs the tokenizers package: pip install -e '.[bpe]'") from None
         if json is None and not Path(path).is_file():
             raise UserError(f"data.tokenizer={path}: no such tokenizer file (a tokenizers JSON, or `bytes`)")
-        self.tokenizer = Tokenizer.from_str(json) if json is not None else Tokenizer.from_file(str(path))
+        try:
+            self.tokenizer = Tokenizer.from_str(json) if json is not None else Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises its own (Rust) exception types
+            raise UserError(f"data.tokenizer={path or 'the checkpoint'}: not a tokenizers JSON file ({e}): give the "
+                            "tokenizer.json a `tokenizers` BPE saved, or data.tokenizer=bytes") from None
         self.vocab_size = self.tokenizer.get_vocab_size() + 1
 
     def encode(self, text: str) -> list[int]:

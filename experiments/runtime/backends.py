@@ -190,7 +190,7 @@ class DeepSpeedBackend(DDPBackend):
         self.config = self.deepspeed_config(trainer)
 
     def deepspeed_config(self, trainer) -> dict:
-        config = json.loads(Path(self.config_file).read_text()) if self.config_file else {}
+        config = _json_file(self.config_file, "backend.config_file") if self.config_file else {}
         zero = {"stage": self.zero_stage}
         if self.offload_optimizer != "none":
             zero["offload_optimizer"] = {"device": self.offload_optimizer}
@@ -298,3 +298,16 @@ def parallel_job_slot():
         return None
     n_jobs = int(hc.launcher.get("n_jobs", 1) or 1)
     return int(hc.job.num) % max(1, n_jobs)
+
+
+def _json_file(path: str, key: str) -> dict:
+    """A JSON object from `path`, or one line naming the key, the file and what is wrong."""
+    if not Path(path).is_file():
+        raise UserError(f"{key}={path}: no such file: check the path, or leave {key} unset")
+    try:
+        config = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{key}={path} is not valid JSON ({e}): fix the file, or leave {key} unset") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{key}={path} holds a JSON {type(config).__name__}, not an object of DeepSpeed settings")
+    return config

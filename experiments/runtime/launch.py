@@ -55,6 +55,24 @@ def prepare_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+def output_dir_error(overrides: list[str]) -> Optional[str]:
+    """Why the run directory an override names cannot be one (a file is in the way, no permission to
+    create it), as one line; None when Hydra can create and write it."""
+    from pathlib import Path
+
+    given = next((a.split("=", 1)[1] for a in overrides if a.startswith("hydra.run.dir=")), None)
+    path = Path(given if given is not None else "outputs")
+    key = "hydra.run.dir" if given is not None else "the working directory"
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        return f"{key}={given}: {ancestor} is a file, not a directory: choose another hydra.run.dir"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{key}={given}: {ancestor} is not writable: choose a hydra.run.dir where you can write"
+    return None
+
+
 def _without_local_rank(argv: list[str]) -> list[str]:
     out, skip = [], False
     for i, arg in enumerate(argv):

@@ -2,8 +2,13 @@
 
 `Run` owns metrics.jsonl, summary.json, samples/ and checkpoints/ of one Hydra job directory.
 Used as a context manager it records how the run ended: "completed", "failed" (with the error)
-or "interrupted" (SIGTERM or Ctrl-C: the task checkpoints at the next step boundary). In a sweep a
-failed job is recorded and the sweep goes on; a single run exits non-zero with one clear message.
+or "interrupted" (SIGTERM or Ctrl-C: the loop checkpoints at the next step boundary). In a sweep a
+failed or interrupted job is recorded and the sweep goes on; a single run exits non-zero (128 + the
+signal's number when interrupted) with one clear message.
+
+A directory that already holds a run is not touched until the loop accepts this session (`accept`:
+the config fits, the checkpoint loads). A session refused or failing before that leaves every file
+of the earlier run as it was (train.log, which Hydra appends to, grows by the refusal).
 """
 
 import json
@@ -49,6 +54,9 @@ class Run:
         self.summary: dict[str, Any] = {}
         self.result: Optional[float] = None
         self.stop_requested = False
+        self.stop_signal: Optional[int] = None
+        self.earlier = False  # the directory held a run before this session
+        self.accepted = False  # the loop took this session on: its files may change now
         self._start = time.time()
         self._wall_before = 0.0  # wall time of earlier sessions of a resumed run
         self._handlers: dict = {}
@@ -113,12 +121,24 @@ class Run:
             atomic_write_text(path, text)
         return path
 
-    def keep_hydra_files(self) -> None:
-        """Copy the first session's .hydra/*.yaml aside: Hydra rewrites them on every start, even
-        for a resume that is then refused, and they must keep describing this run."""
+    def accept(self, start: int) -> None:
+        """The loop takes this session on, from step `start` (0: a fresh start). Clears what a killed
+        earlier session left: metrics rows past `start`, temporary files of interrupted writes."""
+        self.accepted = True
+        if not self.is_main:
+            return
+        if start == 0:  # this session's config is the run's: keep it aside from Hydra's rewrites
+            self._keep_hydra_files()
+        self.truncate_metrics(start)
+        for leftover in [*self.dir.glob(".*.tmp"), *self.checkpoint_dir.glob(".*.tmp")]:
+            leftover.unlink(missing_ok=True)
+
+    def _keep_hydra_files(self) -> None:
+        """Copy this session's .hydra/*.yaml aside: Hydra rewrites them on every start, even for a
+        resume that is then refused, and they must keep describing this run."""
         hydra_dir, original = self.dir / HYDRA, self.dir / HYDRA / "original"
-        if self.is_main and hydra_dir.is_dir() and not original.exists():
-            original.mkdir()
+        if hydra_dir.is_dir():
+            original.mkdir(exist_ok=True)
             for path in hydra_dir.glob("*.yaml"):
                 shutil.copy2(path, original / path.name)
 
@@ -138,6 +158,8 @@ class Run:
         self._wall_before = seconds
 
     def write_summary(self, status: str, force: bool = False) -> None:
+        if self.earlier and not self.accepted:  # the earlier run's summary stands
+            return
         if self.is_main or force:
             self.summary.update(status=status, wall_s=round(self.wall_s(), 2))
             self.summary.setdefault("error", None)
@@ -150,9 +172,11 @@ class Run:
             raise KeyboardInterrupt
         log.warning("%s received: checkpointing at the end of this step", signal.Signals(signum).name)
         self.stop_requested = True
+        self.stop_signal = signum
 
     def __enter__(self) -> "Run":
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.earlier = any(p.exists() for p in (self.summary_path, self.metrics_path, self.checkpoint_dir))
         if self.is_main:  # until the end says otherwise: "running", with who runs it (for review)
             self.summary.update(pid=os.getpid(), host=socket.gethostname())
             self.write_summary("running")
@@ -170,29 +194,40 @@ class Run:
             if failure := launch.first_failure():  # another rank failed: so did the job
                 self.summary["error"] = failure
                 self.write_summary("failed")
-                return False
-            self.write_summary("interrupted" if self.stop_requested else "completed")
+                return self._exit(1)
+            if self.stop_requested:
+                self.write_summary("interrupted")
+                return self._exit(128 + (self.stop_signal or signal.SIGTERM))
+            self.write_summary("completed")
             return False
-        if issubclass(exc_type, KeyboardInterrupt):
+        if issubclass(exc_type, KeyboardInterrupt):  # a second Ctrl-C
             self.summary["error"] = "interrupted by the user"
             self.write_summary("interrupted")
+            return self._exit(128 + signal.SIGINT)
+        if issubclass(exc_type, SystemExit):
             return False
         known = issubclass(exc_type, (UserError, TrainingError))
         message = str(exc) if known else f"{exc_type.__name__}: {exc}"
         launch.report_failure(message)
+        if self.earlier and not self.accepted:  # refused: the earlier run stays as it was
+            self.restore_hydra_files()
+            message += f" (nothing in {self.dir} was changed)"
         # the first failing rank's error, not a collective's timeout on the ranks that waited for it
         self.summary["error"] = launch.first_failure() or message
         self.write_summary("failed", force=True)  # a failing rank records why even if rank 0 cannot
         if known:
             log.error("%s", message)
-        else:
+        else:  # a bug: the traceback goes to the log once (the console shows the log), Hydra adds none
             log.error("run failed:\n%s", "".join(traceback.format_exception(exc_type, exc, tb)))
-        if self.multirun:  # the sweep goes on; this job's summary says what went wrong
-            self.result = None  # a sweeper (Optuna) records a trial without a value as failed
+        self.result = None  # a sweeper (Optuna) records a trial without a value as failed
+        return self._exit(f"error: {message}" if known else f"error: {message} (the traceback is above and in "
+                          f"{self.dir / 'train.log'})")
+
+    def _exit(self, status) -> bool:
+        """A single run exits with `status`; in a sweep the job's summary records it and the sweep goes on."""
+        if self.multirun:
             return True
-        if known:
-            sys.exit(f"error: {message}")
-        return False
+        sys.exit(status)
 
 
 def _row_step(line: str) -> Optional[int]:

@@ -76,6 +76,7 @@ class Loop:
         )
         self._throughput: list[tuple[float, float, int]] = []  # (tokens/s, FLOPs/token, steps) per window
         start = self._restore(resume_from, state)
+        run.accept(start)
         log.info("model %s: %.2fM parameters on %s, %s; data %s", run.choices.get("model"),
                  sum(self.param_counts.values()) / 1e6, device, backend.precision, data.fingerprint)
         run.write_summary("running")  # now with the model's and the data's figures
@@ -209,11 +210,8 @@ class Loop:
         """The checkpoint trainer.resume names, loaded (None, None when there is none)."""
         spec = self.trainer.resume
         own = checkpoint.latest(self.run.checkpoint_dir)
-        if own is None:  # a new run in this directory: its .hydra files are the ones to keep
-            self.run.keep_hydra_files()
         if spec == "never":
             if own is not None:
-                self.run.restore_hydra_files()
                 raise UserError(
                     f"{self.run.dir} already holds checkpoints and trainer.resume=never would overwrite this "
                     "run: choose a new hydra.run.dir, or trainer.resume=auto to continue it"
@@ -239,7 +237,6 @@ class Loop:
         self.run.continue_wall_clock(float(state["wall_s"]))
         earlier = {k: v for k, v in state["summary"].items() if k not in ("status", "error", "pid", "host")}
         self.run.update_summary(**earlier)
-        self.run.truncate_metrics(step)
         log.info("resumed from %s at step %d", path, step)
         return step
 
@@ -253,7 +250,6 @@ class Loop:
             if _comparable(saved.get(section), key) != _comparable(current.get(section), key)
         ]
         if differ and self.trainer.resume == "auto":
-            self.run.restore_hydra_files()  # the run's own config, not the refused one
             raise UserError(
                 f"{path} was trained with a different config ({', '.join(differ)} differ), so this run "
                 "cannot continue it: use a new hydra.run.dir, or pass the same overrides as before"
