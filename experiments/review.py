@@ -40,15 +40,18 @@ class RunRecord:
     summary: dict
     metrics: list = field(default_factory=list)
     name: str = ""
+    unreadable: Optional[str] = None  # why summary.json could not be read
 
     @property
     def status(self) -> str:
         status = self.summary.get("status")
+        if self.unreadable is not None:
+            return "unreadable"  # its summary.json: main() says which and why
         if status == "running" and not _alive(self.summary):
             return "interrupted"  # its process is gone: killed
-        if status is None:
+        if status is None:  # no summary.json: a run killed as it began, or not written by train.py
             fresh = (self.path / METRICS).exists() and time.time() - (self.path / METRICS).stat().st_mtime < STALE_S
-            return "running" if fresh else "interrupted"
+            return "running" if fresh else "unknown"
         return status
 
     @property
@@ -124,12 +127,14 @@ def load_run(path: Path) -> RunRecord:
         key, _, value = str(item).partition("=")
         if not key.lstrip("+~").startswith("hydra."):
             overrides[key.lstrip("+~")] = value
-    summary = {}
+    summary, unreadable = {}, None
     if (path / SUMMARY).is_file():
         try:
             summary = json.loads((path / SUMMARY).read_text())
-        except json.JSONDecodeError:
-            summary = {}
+            if not isinstance(summary, dict):
+                raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+        except (ValueError, UnicodeDecodeError) as e:
+            summary, unreadable = {}, str(e)
     metrics = []
     if (path / METRICS).is_file():
         for line in (path / METRICS).read_text().splitlines():
@@ -137,7 +142,7 @@ def load_run(path: Path) -> RunRecord:
                 metrics.append(json.loads(line))
             except json.JSONDecodeError:
                 pass  # a line torn by a kill
-    return RunRecord(path, overrides, summary, metrics)
+    return RunRecord(path, overrides, summary, metrics, unreadable=unreadable)
 
 
 def name_runs(runs: list[RunRecord]) -> None:
@@ -339,6 +344,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: no run directories (with {OVERRIDES} and {METRICS} or {SUMMARY}) under "
               f"{', '.join(map(str, args.paths))}", file=sys.stderr)
         return 1
+    for r in runs:
+        if r.unreadable is not None:
+            print(f"warning: {r.path / SUMMARY} cannot be read ({r.unreadable}): its status is shown as unreadable",
+                  file=sys.stderr)
     metric = args.metric
     if metric == "val_bpc" and not any(r.curve("val_bpc") for r in runs) and any(r.curve("val_loss") for r in runs):
         metric = "val_loss"  # runs that are not byte-level report no bits per byte

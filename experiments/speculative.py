@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.config.checks import flag_error
 from experiments.runtime.errors import UserError
 from experiments.tasks.members import load_members
 from experiments.tasks.speculative import compare_decoding
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights and activations for decoding. On a CPU with bf16 instructions, bf16 verifies "
                              "several tokens faster and decodes one token slower than fp32")
     args = parser.parse_args(argv)
+    if error := flag_error({"--length": ("generate_length", args.length), "--gamma": ("gamma", args.gamma),
+                            "--top-k": ("top_k", args.top_k), "--temperature": ("temperature", args.temperature),
+                            "--threads": ("threads", args.threads)}):
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

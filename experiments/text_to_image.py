@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from experiments.config.checks import flag_error
 from experiments.data.shapes import score
 from experiments.data.tokenizer import from_spec
 from experiments.runtime.errors import UserError
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cond-scale", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if error := flag_error({"--num-images": ("num_samples", args.num_images), "--temperature": ("temperature", args.temperature),
+                            "--filter-thres": ("filter_thres", args.filter_thres),
+                            "--cond-scale": ("cond_scale", args.cond_scale)}):
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     try:
         dalle, vae, tokenizer = load_run(args.run)
         images = generate_images(dalle, vae, tokenizer, [args.prompt] * args.num_images,

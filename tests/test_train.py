@@ -59,7 +59,7 @@ def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
     while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(losses(run)) >= 3):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM  # a scheduler sees it did not complete
     summary = read_summary(run)
     assert summary["status"] == "interrupted"
     saved = list((run / "checkpoints").glob("step_*.pt"))
@@ -131,7 +131,7 @@ def test_resuming_with_another_model_is_refused_without_losing_anything(tmp_path
     assert "model.depth differ" in _fails(run, "trainer.max_steps=2", "model.depth=2")
     assert (run / "checkpoints" / "step_0000002.pt").read_bytes() == before
     assert (run / ".hydra" / "config.yaml").read_text() == config_before  # still describes this run
-    assert read_summary(run)["status"] == "failed"
+    assert read_summary(run)["status"] == "completed"
     assert len([r for r in read_metrics(run) if "loss" in r]) == 2
 
 

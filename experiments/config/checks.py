@@ -166,3 +166,11 @@ def composition_error(config_dir: str, overrides: list[str]) -> Optional[str]:
         return " ".join(line if line.endswith((":", ".")) else line + ";" for line in lines).rstrip(";") + \
             " (python train.py --help lists every group, option and key)"
     return None
+
+
+def flag_error(flags: dict[str, tuple[str, Any]]) -> Optional[str]:
+    """The command-line tools' flags checked by the config's rules: {flag: (config key it stands for,
+    value)} -> one line naming every bad flag, or None."""
+    problems = [f"{flag}={value} {what}".replace("or null for", "or leave the flag out for")
+                for flag, (key, value) in flags.items() if (what := _rule(key, value))]
+    return "; ".join(problems) or None

@@ -302,8 +302,6 @@ def parallel_job_slot():
 
 def _json_file(path: str, key: str) -> dict:
     """A JSON object from `path`, or one line naming the key, the file and what is wrong."""
-    if not Path(path).is_file():
-        raise UserError(f"{key}={path}: no such file: check the path, or leave {key} unset")
     try:
         config = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

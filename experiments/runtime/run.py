@@ -215,8 +215,8 @@ class Run:
         # the first failing rank's error, not a collective's timeout on the ranks that waited for it
         self.summary["error"] = launch.first_failure() or message
         self.write_summary("failed", force=True)  # a failing rank records why even if rank 0 cannot
-        if known:
-            log.error("%s", message)
+        if known:  # train.log records it; the console gets the one line below, not the log's copy too
+            _to_log_file(logging.ERROR, message)
         else:  # a bug: the traceback goes to the log once (the console shows the log), Hydra adds none
             log.error("run failed:\n%s", "".join(traceback.format_exception(exc_type, exc, tb)))
         self.result = None  # a sweeper (Optuna) records a trial without a value as failed
@@ -228,6 +228,14 @@ class Run:
         if self.multirun:
             return True
         sys.exit(status)
+
+
+def _to_log_file(level: int, message: str) -> None:
+    """A record for the log files only (Hydra's train.log), not the console handler."""
+    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _row_step(line: str) -> Optional[int]:

@@ -89,7 +89,7 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_at_the_same_step(tmp_path, bac
     the run is recorded as interrupted, not hung."""
     result = torchrun(tmp_path, *STEPS, f"backend={backend}", "backend.timeout_s=20", "trainer.checkpoint_every=0",
                       "hydra.run.dir=run", script="tests/helpers/rank_one.py", timeout=180, env={"RANK_ONE": "stop"})
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode != 0  # interrupted: every rank exits 128 + SIGTERM, so the launcher fails
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "interrupted" and summary["step"] == 2
     assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt")] == ["step_0000002.pt"]

@@ -1,0 +1,337 @@
+"""The project's corpus of bad input, by category: each gets one line that names the input and says
+what to do, before any work, with no traceback, and changes nothing in an existing run directory.
+
+Config values and flags are checked in-process (the same functions train.py and the tools call);
+what only a whole run shows (the run directory, exit status, leftovers) runs train.py as a user would.
+"""
+
+import gzip
+import io
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.config.checks import check_config, composition_error
+from experiments.runtime.errors import UserError
+from tests.helpers.runs import ROOT, losses, read_metrics, read_summary, run_env, start_train, train
+
+# ---- config values: every group, checked before anything is built ---------------------------------
+
+CONFIG_CASES = [
+    (["optimizer.lr=-1e-3"], "optimizer.lr=-0.001 must be positive"),
+    (["optimizer.betas=[0.9]"], "optimizer.betas=[0.9] must be two numbers in [0, 1)"),
+    (["optimizer.eps=0"], "optimizer.eps=0.0 must be positive"),
+    (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1 must be 0 or more"),
+    (["schedule=plateau", "schedule.factor=2.0"], "schedule.factor=2.0 must lie strictly between 0 and 1"),
+    (["schedule=plateau", "schedule.window=0"], "schedule.window=0 must be at least 1"),
+    (["schedule.warmup_steps=-5"], "schedule.warmup_steps=-5 must be 0 or more"),
+    (["schedule.min_lr_ratio=2"], "schedule.min_lr_ratio=2.0 must lie in [0, 1]"),
+    (["model.heads=0"], "model.heads=0 must be at least 1"),
+    (["model.dim=-8"], "model.dim=-8 must be at least 1"),
+    (["model.attn_dropout=1.5"], "model.attn_dropout=1.5 must lie in [0, 1)"),
+    (["model.num_fine_selected=0"], "model.num_fine_selected=0 must be at least 1"),
+    (["model=sinkhorn", "model.bucket_size=0"], "model.bucket_size=0 must be at least 1"),
+    (["model=routing", "model.n_local_attn_heads=-1"], "model.n_local_attn_heads=-1 must be an int >= 0"),
+    (["model=routing", "model.ema_decay=1.0"], "model.ema_decay=1.0 must lie in [0, 1)"),
+    (["data.seq_len=0"], "data.seq_len=0 must be at least 1"),
+    (["data.val_fraction=1.0"], "data.val_fraction=1.0 must lie strictly between 0 and 1"),
+    (["task.top_k=0"], "task.top_k=0 must be at least 1, or null"),
+    (["task.generate_length=-5"], "task.generate_length=-5 must be at least 1"),
+    (["task.prime_length=0"], "task.prime_length=0 must be at least 1"),
+    (["task.temperature=-1"], "task.temperature=-1.0 must be 0 or more"),
+    (["experiment=speculative", "task.gamma=0"], "task.gamma=0 must be at least 1"),
+    (["experiment=dalle", "task.filter_thres=1.5"], "task.filter_thres=1.5 must lie in [0, 1)"),
+    (["experiment=dalle", "task.vae_steps=-1"], "task.vae_steps=-1 must be 0 or more"),
+    (["experiment=dalle", "vae.num_tokens=0"], "vae.num_tokens=0 must be at least 1"),
+    (["experiment=speculative", "draft.depth=0"], "draft.depth=0 must be at least 1"),
+    (["backend=deepspeed", "backend.offload_optimizer=disk"], "backend.offload_optimizer=disk must be none, cpu or nvme"),
+    (["backend=deepspeed", "backend.zero_stage=4"], "backend.zero_stage=4 must be 0, 1, 2 or 3"),
+    (["backend=ddp", "backend.timeout_s=0"], "backend.timeout_s=0.0 must be positive"),
+    (["trainer.grad_accum=0"], "trainer.grad_accum=0 must be at least 1"),
+    (["trainer.clip_grad_norm=-1"], "trainer.clip_grad_norm=-1.0 must be positive, or null"),
+    (["trainer.validate_every=-1"], "trainer.validate_every=-1 must be 0 (off) or a number of steps"),
+    (["trainer.threads=0"], "trainer.threads=0 must be at least 1, or null"),
+    (["+trainer.max_step=5"], "trainer.max_step is not a key of this trainer config: did you mean trainer.max_steps?"),
+    (["+model.dimm=5"], "model.dimm is not a key of this model config: did you mean model.dim?"),
+    (["+task.topk=5"], "task.topk is not a key of this task config: did you mean task.top_k?"),
+    (["+foo=1"], "foo is not a config section"),
+    (["experiment=dalle", "data=image_folder"], "data.path has no value: set data.path=<the folder or file to read>"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", CONFIG_CASES, ids=[" ".join(o) for o, _ in CONFIG_CASES])
+def test_config_values_are_refused_by_key(compose, overrides, message):
+    with pytest.raises(UserError) as refused:
+        check_config(compose(*overrides))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_every_problem_of_a_config_is_named_at_once(compose):
+    with pytest.raises(UserError, match="model.heads=0 .*; optimizer.lr=-1.0 "):
+        check_config(compose("model.heads=0", "optimizer.lr=-1"))
+
+
+def test_the_shipped_options_pass(compose):
+    for overrides in ([], ["experiment=dalle"], ["experiment=speculative"], ["model=sinkhorn"], ["model=routing"],
+                      ["backend=deepspeed"], ["schedule=plateau"], ["experiment=nsa_enwik8"]):
+        check_config(compose(*overrides))
+
+
+COMPOSITION_CASES = [
+    (["trainer.max_stepz=3"], "did you mean trainer.max_steps?"),
+    (["model.depth=two"], "model.depth=two; Value 'two' of type 'str' could not be converted to Integer"),
+    (["model=nope"], "Could not find 'model/nope'; Available options in 'model': dalle; dvae; nsa"),
+    (["trainer.precision=fp8"], "trainer.precision=fp8"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", COMPOSITION_CASES, ids=[" ".join(o) for o, _ in COMPOSITION_CASES])
+def test_composition_errors_are_one_line(overrides, message):
+    error = composition_error(str(ROOT / "conf"), overrides)
+    assert message in error and "\n" not in error and "+trainer" not in error  # no advice to add the typo
+
+
+# ---- files the project reads -----------------------------------------------------------------------
+
+
+def byte_text(path):
+    from experiments.data.text import ByteText
+
+    return ByteText(seq_len=16, path=str(path), val_fraction=0.1, cache_dir=None)
+
+
+def test_text_files(tmp_path):
+    (tmp_path / "plain.gz").write_bytes(b"not gzip at all" * 10)
+    whole = gzip.compress(b"x" * 100_000)
+    (tmp_path / "cut.gz").write_bytes(whole[: len(whole) // 2])
+    cases = {
+        tmp_path / "plain.gz": "is not a complete gzip file",
+        tmp_path / "cut.gz": "is not a complete gzip file",
+        tmp_path: "is a directory: give the file to read",
+        tmp_path / "missing.txt": "no such file: check the path",
+    }
+    for path, message in cases.items():
+        with pytest.raises(UserError, match=message) as refused:
+            byte_text(path)
+        assert f"data.path={path}" in str(refused.value)
+
+
+def image_folder(path, **kw):
+    from experiments.data.image_text import ImageTextFolder
+
+    knobs = dict(image_size=16, text_seq_len=16, resize_ratio=0.75, truncate_captions=False, val_fraction=0.5,
+                 channels=3, tokenizer="bytes")
+    return ImageTextFolder(path=str(path), **{**knobs, **kw})
+
+
+def test_image_folders_shards_and_tokenizers(tmp_path):
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    for i in range(3):
+        (junk / f"{i}.png").write_bytes(b"not a png")
+        (junk / f"{i}.txt").write_text("a red circle")
+    with pytest.raises(UserError, match=f"data.path={junk}: none of its 3 images can be read"):
+        image_folder(junk)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.tar").write_bytes(b"not a tar file" * 100)
+    with pytest.raises(UserError, match=r"a.tar is not a readable tar shard"):
+        image_folder(shards)
+    with pytest.raises(UserError, match="no such folder or tar file"):
+        image_folder(tmp_path / "missing")
+    pytest.importorskip("tokenizers")
+    (tmp_path / "tok.json").write_text("{not json")
+    good = tmp_path / "good"
+    good.mkdir()
+    _png_pair(good, "a"), _png_pair(good, "b")
+    with pytest.raises(UserError, match="not a tokenizers JSON file"):
+        image_folder(good, tokenizer=str(tmp_path / "tok.json"))
+
+
+def _png_pair(folder: Path, stem: str) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (20, 20), (255, 0, 0)).save(folder / f"{stem}.png")
+    (folder / f"{stem}.txt").write_text("a red square")
+
+
+def test_deepspeed_config_files(tmp_path):
+    pytest.importorskip("deepspeed")
+    from omegaconf import OmegaConf
+
+    from experiments.config.schema import TrainerConfig
+    from experiments.runtime.backends import DeepSpeedBackend
+
+    trainer = OmegaConf.merge(OmegaConf.structured(TrainerConfig), OmegaConf.load(ROOT / "conf" / "config.yaml").trainer)
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    cases = {"bad.json": "is not valid JSON", "list.json": "holds a JSON list"}
+    for name, message in cases.items():
+        backend = DeepSpeedBackend(config_file=str(tmp_path / name))
+        with pytest.raises(UserError, match=message):
+            backend.deepspeed_config(trainer)
+
+
+# ---- command-line tools --------------------------------------------------------------------------
+
+FLAG_CASES = [
+    ("experiments.speculative", ["RUN", "--gamma", "0"], "--gamma=0 must be at least 1"),
+    ("experiments.speculative", ["RUN", "--length", "-5"], "--length=-5 must be at least 1"),
+    ("experiments.speculative", ["RUN", "--top-k", "0"], "--top-k=0 must be at least 1, or leave the flag out"),
+    ("experiments.speculative", ["RUN", "--threads", "0"], "--threads=0 must be at least 1"),
+    ("experiments.text_to_image", ["RUN", "--prompt", "x", "--num-images", "0"], "--num-images=0 must be at least 1"),
+    ("experiments.text_to_image", ["RUN", "--prompt", "x", "--filter-thres", "1.5"], "--filter-thres=1.5 must lie in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize("module,argv,message", FLAG_CASES, ids=[" ".join(a) for _, a, _ in FLAG_CASES])
+def test_tool_flags_are_refused_before_loading(tmp_path, module, argv, message):
+    import importlib
+
+    err = io.StringIO()
+    with redirect_stderr(err):
+        status = importlib.import_module(module).main([str(tmp_path / "no-run") if a == "RUN" else a for a in argv])
+    assert status == 2 and message in err.getvalue() and err.getvalue().count("\n") == 1
+
+
+def test_tools_name_a_missing_run(tmp_path):
+    from experiments import speculative, text_to_image
+
+    for main, argv in ((speculative.main, []), (text_to_image.main, ["--prompt", "x"])):
+        err = io.StringIO()
+        with redirect_stderr(err):
+            assert main([str(tmp_path / "nowhere"), *argv]) == 1
+        assert "no such checkpoint file or run directory" in err.getvalue()
+
+
+# ---- the run directory: a refused rerun changes nothing --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def completed_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("done") / "run"
+    train(run, "trainer.max_steps=2")
+    return run
+
+
+def snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != "train.log"}
+
+
+def _truncated_newest(run: Path) -> None:
+    newest = run / "checkpoints" / "step_0000002.pt"
+    (run / "checkpoints" / "step_0000003.pt").write_bytes(newest.read_bytes()[:1000])
+
+
+def _foreign_newest(run: Path) -> None:
+    torch.save({"weights": torch.ones(2)}, run / "checkpoints" / "step_0000003.pt")
+
+
+REFUSALS = [
+    ("another model", None, ["model.depth=2"], "model.depth differ"),
+    ("resume never", None, ["trainer.resume=never"], "trainer.resume=never would overwrite"),
+    ("truncated newest checkpoint", _truncated_newest, ["trainer.max_steps=4"], "cannot be read"),
+    ("foreign newest checkpoint", _foreign_newest, ["trainer.max_steps=4"], "not written by this project"),
+    ("a bad value", None, ["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
+    ("a data file that is not gzip", None, ["data.path=setup.gz"], "is not a complete gzip file"),
+]
+
+
+@pytest.mark.parametrize("case,prepare,overrides,message", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_a_refused_rerun_leaves_the_run_byte_identical(tmp_path, completed_run, case, prepare, overrides, message):
+    run = tmp_path / "run"
+    shutil.copytree(completed_run, run)
+    (tmp_path / "setup.gz").write_bytes(b"plain text, not gzip" * 100)
+    if prepare:
+        prepare(run)
+    before = snapshot(run)
+    overrides = [o.replace("setup.gz", str(tmp_path / "setup.gz")) for o in overrides]
+    result = train(run, "trainer.max_steps=2", *overrides, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ") and message in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert snapshot(run) == before  # summary, metrics, checkpoints, .hydra/: as they were
+
+
+@pytest.mark.slow
+def test_a_rerun_with_another_backend_leaves_the_run_byte_identical(tmp_path, completed_run):
+    run = tmp_path / "run"
+    shutil.copytree(completed_run, run)
+    before = snapshot(run)
+    result = train(run, "trainer.max_steps=2", "backend=deepspeed", check=False, timeout=600)
+    assert result.returncode == 1 and "not written by backend=deepspeed" in result.stderr
+    assert snapshot(run) == before
+
+
+def test_a_run_directory_that_is_a_file(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    result = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'taken' / 'run'}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env=run_env())
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: hydra.run.dir={tmp_path / 'taken' / 'run'}: {tmp_path / 'taken'} is a " \
+                                    "file, not a directory: choose another hydra.run.dir"
+
+
+# ---- interruptions: exit status and leftovers -----------------------------------------------------
+
+
+def test_ctrl_c_exits_130_and_records_interrupted(tmp_path):
+    run = tmp_path / "run"
+    proc = start_train(run, "trainer.max_steps=100000", "trainer.checkpoint_every=0", "trainer.validate_every=0")
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(losses(run)) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 128 + signal.SIGINT
+    assert read_summary(run)["status"] == "interrupted"
+
+
+def test_a_fresh_start_after_a_kill_keeps_none_of_the_killed_attempt(tmp_path):
+    """Killed before its first checkpoint: the next start is a fresh run, without the old rows."""
+    run = tmp_path / "run"
+    proc = start_train(run, "trainer.max_steps=100000", "trainer.checkpoint_every=0", "trainer.validate_every=0")
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(losses(run)) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (run / "checkpoints").mkdir(exist_ok=True)
+    (run / "checkpoints" / ".step_0000009.pt.x1y2.tmp").write_bytes(b"half a checkpoint")
+    train(run, "trainer.max_steps=2")
+    steps = [row["step"] for row in read_metrics(run) if "loss" in row]
+    assert steps == [1, 2]
+    assert not list((run / "checkpoints").glob(".*.tmp"))
+
+
+def test_a_checkpoint_write_cut_short_leaves_no_temporary_file_after_resume(tmp_path):
+    run = tmp_path / "run"
+    train(run, "trainer.max_steps=2", "schedule=constant")
+    (run / "checkpoints" / ".step_0000003.pt.abcd.tmp").write_bytes(b"cut short")
+    (run / ".summary.json.efgh.tmp").write_bytes(b"{")
+    train(run, "trainer.max_steps=3", "schedule=constant")
+    assert not list(run.rglob(".*.tmp")) and json.loads((run / "summary.json").read_text())["step"] == 3
+
+
+# ---- review -----------------------------------------------------------------------------------
+
+
+def test_review_names_an_unreadable_summary(tmp_path, completed_run, capsys):
+    from experiments.review import main
+
+    run = tmp_path / "sweep" / "job"
+    shutil.copytree(completed_run, run)
+    (run / "summary.json").write_text("{torn")
+    assert main([str(tmp_path / "sweep"), "--no-plots", "--format", "csv"]) == 0
+    out = capsys.readouterr()
+    assert f"{run / 'summary.json'} cannot be read" in out.err
+    assert ",unreadable," in out.out
+
