@@ -51,7 +51,7 @@ class RunRecord:
             return "interrupted"  # its process is gone: killed
         if status is None:  # no summary.json: a run killed as it began, or not written by train.py
             fresh = (self.path / METRICS).exists() and time.time() - (self.path / METRICS).stat().st_mtime < STALE_S
-            return "running" if fresh else "unknown"
+            return "running" if fresh else "interrupted"
         return status
 
     @property

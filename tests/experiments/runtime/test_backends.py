@@ -79,6 +79,6 @@ def test_a_bad_backend_key_ends_the_run_with_one_message(tmp_path):
 
     result = train(tmp_path / "run", "backend=deepspeed", "backend.zero_stage=5", check=False)
     assert result.returncode != 0
-    assert "error: backend: zero_stage must be 0, 1, 2 or 3, got 5" in result.stderr
+    assert "error: backend.zero_stage=5 must be 0, 1, 2 or 3" in result.stderr
     assert "Traceback" not in result.stderr
     assert read_summary(tmp_path / "run")["status"] == "failed"

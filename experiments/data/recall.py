@@ -1,0 +1,167 @@
+"""Recall benchmarks, generated on the fly: what a sparse attention gives up is finding distant tokens.
+
+MQAR (multi-query associative recall, Arora et al. 2023, "Zoology"): key-value pairs, then queries
+of those keys at power-law distances; after each queried key the model must give its value.
+
+    k1 v1 k2 v2 ... kN vN | 0 0 k2 v2 0 k1 v1 0 0 0 ... kN vN 0 ...
+                            targets: v2 after k2, v1 after k1, ...; every other position is ignored
+
+Keys come from the lower half of the vocabulary, values from the upper half, 0 fills the rest.
+
+Passkey retrieval (as the NSA paper checks it): a number hidden at a chosen depth of filler text (the
+built-in corpus), asked for at the end; the model must give its digits.
+
+Each item is `(inputs [batch, seq_len], targets [batch, seq_len], depth [batch])`: targets hold IGNORE
+except at the answers, depth is the needle's depth bin (passkey) or 0. Batches are a pure function of
+(seed, step, micro, rank), like every dataset here, so resume is exact.
+"""
+
+import hashlib
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from experiments.data.draws import VAL_SEED, step_generator
+from experiments.runtime.errors import UserError
+from models.transformer import IGNORE
+
+Batch = tuple[Tensor, Tensor, Tensor]
+
+
+class RecallData:
+    """What the recall task reads; subclasses draw `(tokens [b, seq_len + 1], answer mask, depth)`."""
+
+    seq_len: int
+    name: str
+    vocab_size: int
+    per_sequence = False  # accuracy per answer token (MQAR) or per sequence, every answer token right (passkey)
+    depth_bins = 1
+
+    def _draw(self, n: int, gen: torch.Generator, depths: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """n items -> (tokens [n, seq_len + 1], answer positions [n, seq_len + 1], depth bins [n]); `depths`
+        in [0, 1) places the needles (None: drawn)."""
+        raise NotImplementedError
+
+    def _batch(self, n: int, gen: torch.Generator, depths: Optional[Tensor] = None) -> Batch:
+        tokens, answers, depth = self._draw(n, gen, depths)
+        targets = tokens[:, 1:].masked_fill(~answers[:, 1:], IGNORE)
+        return tokens[:, :-1], targets, depth
+
+    def train_batch(self, batch_size: int, *, seed: int, step: int, micro: int = 0, rank: int = 0,
+                    world_size: int = 1) -> Batch:
+        """The global batch drawn once from its coordinates; each rank takes its own rows."""
+        inputs, targets, depth = self._batch(batch_size * world_size, step_generator(seed, step, micro, 0))
+        rows = slice(rank * batch_size, (rank + 1) * batch_size)
+        return inputs[rows], targets[rows], depth[rows]
+
+    def val_batches(self, num_batches: int, batch_size: int) -> Iterator[Batch]:
+        """The same items in every run, the needles at the middle of each depth bin in turn."""
+        gen = torch.Generator().manual_seed(VAL_SEED)
+        for i in range(num_batches):
+            index = torch.arange(i * batch_size, (i + 1) * batch_size) % self.depth_bins
+            yield self._batch(batch_size, gen, depths=(index + 0.5) / self.depth_bins)
+
+    @property
+    def fingerprint(self) -> str:
+        """Generated data: the knobs are the data set."""
+        return f"{self.name}:{hashlib.sha256(self.name.encode()).hexdigest()[:16]}"
+
+
+class MQAR(RecallData):
+    """Zoology's multi-query associative recall. seq_len counts the model's inputs."""
+
+    def __init__(self, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a: float):
+        n = num_kv_pairs
+        if n < 1:
+            raise UserError(f"data.num_kv_pairs={n} must be at least 1")
+        if 4 * n > seq_len + 1:
+            raise UserError(f"data.num_kv_pairs={n} pairs and their {n} queries take {4 * n} tokens, more than "
+                            f"data.seq_len={seq_len} + 1: raise data.seq_len to {4 * n} or lower data.num_kv_pairs")
+        if vocab_size // 2 - 1 < n:
+            raise UserError(f"data.vocab_size={vocab_size} has {max(vocab_size // 2 - 1, 0)} key ids (the lower half "
+                            f"but 0), fewer than data.num_kv_pairs={n} distinct keys: raise data.vocab_size to "
+                            f"{2 * n + 2} or more")
+        if not power_a > 0:
+            raise UserError(f"data.power_a={power_a} must be positive (Zoology: 0.01)")
+        self.vocab_size, self.seq_len, self.num_kv_pairs, self.power_a = vocab_size, seq_len, n, power_a
+        self.name = f"mqar-v{vocab_size}-n{seq_len}-kv{n}-a{power_a}"
+        # query slots of two tokens after the pairs; slot i (from the pairs on) drawn with weight i^(a - 1)
+        self.slots = (seq_len + 1 - 2 * n) // 2
+        self.slot_weights = torch.arange(1, self.slots + 1, dtype=torch.float64) ** (power_a - 1)
+
+    def _draw(self, b: int, gen: torch.Generator, depths: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        n, half = self.num_kv_pairs, self.vocab_size // 2
+        keys = torch.rand(b, half - 1, generator=gen).argsort(-1)[:, :n] + 1  # distinct, in [1, half)
+        values = torch.randint(half, self.vocab_size, (b, n), generator=gen)
+        tokens = torch.zeros(b, self.seq_len + 1, dtype=torch.long)
+        tokens[:, 0 : 2 * n : 2], tokens[:, 1 : 2 * n : 2] = keys, values
+        slots = torch.multinomial(self.slot_weights.expand(b, -1), n, replacement=False, generator=gen)
+        which = torch.rand(b, n, generator=gen).argsort(-1)  # the pair each query asks for
+        at = 2 * n + 2 * slots  # where each query's key goes; its value follows
+        rows = torch.arange(b)[:, None]
+        tokens[rows, at] = keys.gather(1, which)
+        tokens[rows, at + 1] = values.gather(1, which)
+        answers = torch.zeros_like(tokens, dtype=torch.bool)
+        answers[rows, at + 1] = True
+        return tokens, answers, torch.zeros(b, dtype=torch.long)
+
+
+class Passkey(RecallData):
+    """A number of `digits` digits hidden at a depth of built-in filler text, asked for at the end:
+
+        <filler> The pass key is 48213. Remember it. 48213 is the pass key. <filler> ... What is the
+        pass key? The pass key is 48213
+
+    Training draws the depth uniformly; validation spreads its items evenly over `depth_bins` bins
+    and val_accuracy is reported per bin too."""
+
+    per_sequence = True
+    vocab_size = 256
+    _QUESTION = " What is the pass key? The pass key is "
+
+    def __init__(self, seq_len: int, digits: int, depth_bins: int, cache_dir: str):
+        from pathlib import Path
+
+        from experiments.data.text import builtin_corpus
+
+        if digits < 1:
+            raise UserError(f"data.digits={digits} must be at least 1")
+        if depth_bins < 1:
+            raise UserError(f"data.depth_bins={depth_bins} must be at least 1")
+        needle = len(self._needle("0" * digits))
+        question = len(self._QUESTION) + digits
+        if seq_len + 1 < needle + question + 16:
+            raise UserError(f"data.seq_len={seq_len} leaves no room for filler around the {needle}-byte needle and "
+                            f"the {question}-byte question: raise data.seq_len to {needle + question + 16} or more")
+        self.filler = torch.from_numpy(builtin_corpus(Path(cache_dir)))
+        self.seq_len, self.digits, self.depth_bins = seq_len, digits, depth_bins
+        self.name = f"passkey-n{seq_len}-d{digits}"
+
+    @staticmethod
+    def _needle(key: str) -> str:
+        return f" The pass key is {key}. Remember it. {key} is the pass key. "
+
+    def _draw(self, b: int, gen: torch.Generator, depths: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        total = self.seq_len + 1
+        tokens = torch.zeros(b, total, dtype=torch.long)
+        answers = torch.zeros_like(tokens, dtype=torch.bool)
+        if depths is None:
+            depths = torch.rand(b, generator=gen)
+        starts = torch.randint(0, len(self.filler) - total, (b,), generator=gen)
+        keys = torch.randint(0, 10, (b, self.digits), generator=gen)
+        for i in range(b):
+            key = "".join(map(str, keys[i].tolist()))
+            needle, question = self._needle(key).encode(), (self._QUESTION + key).encode()
+            room = total - len(needle) - len(question)
+            at = int(depths[i] * room)
+            filler = self.filler[starts[i] : starts[i] + room].long()
+            row = torch.cat([filler[:at], torch.tensor(list(needle)), filler[at:], torch.tensor(list(question))])
+            tokens[i] = row
+            answers[i, total - self.digits :] = True
+        bins = (depths * self.depth_bins).long().clamp(max=self.depth_bins - 1)
+        return tokens, answers, bins
+
+    @staticmethod
+    def decode(tokens) -> str:
+        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
