@@ -26,7 +26,8 @@ from typing import Optional
 
 import yaml
 
-from experiments.runtime.run import METRICS, OVERRIDES, SUMMARY
+from experiments.review_plots import higher_is_better, plot, recall_plots
+from experiments.runtime.run import HYDRA, METRICS, OVERRIDES, SUMMARY
 
 STALE_S = 600  # a run without a summary and no metrics written for this long was killed
 
@@ -69,7 +70,14 @@ class RunRecord:
 
     def best(self, metric: str) -> Optional[float]:
         values = [v for _, v, _ in self.curve(metric)]
-        return min(values) if values else None
+        return (max if higher_is_better(metric) else min)(values) if values else None
+
+    def config(self) -> dict:
+        """The run's resolved config (.hydra/config.yaml), {} if unreadable."""
+        try:
+            return yaml.safe_load((self.path / HYDRA / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return {}
 
     def final(self, metric: str) -> Optional[float]:
         values = [v for _, v, _ in self.curve(metric)]
@@ -168,7 +176,7 @@ def rank(runs: list[RunRecord], metric: str, sort: str) -> dict[str, list[dict]]
     for r in runs:
         key = r.fingerprint or (next(iter(known)) if len(known) == 1 else "no data loaded")
         groups.setdefault(key, []).append(r.row(metric))
-    descending = sort in ("tokens_per_s",)
+    descending = sort == "tokens_per_s" or (sort in ("best", "final") and higher_is_better(metric))
     for rows in groups.values():
         rows.sort(key=lambda row: (row[sort] is None, -(row[sort] or 0) if descending else (row[sort] if row[sort] is not None else 0)))
     return groups
@@ -182,7 +190,8 @@ def seed_statistics(runs: list[RunRecord], metric: str) -> list[dict]:
         if best is not None and r.status == "completed":
             by_config.setdefault((r.fingerprint, configuration(r)), []).append(best)
     out = []
-    for (fingerprint, config), values in sorted(by_config.items(), key=lambda kv: statistics.mean(kv[1])):
+    sign = -1 if higher_is_better(metric) else 1
+    for (fingerprint, config), values in sorted(by_config.items(), key=lambda kv: sign * statistics.mean(kv[1])):
         if len(values) > 1:
             out.append({"configuration": config, "seeds": len(values), "mean": statistics.mean(values),
                         "std": statistics.stdev(values), "min": min(values), "max": max(values), "data": fingerprint})
@@ -258,77 +267,14 @@ def csv_text(groups: dict[str, list[dict]]) -> str:
 # ---- plots -------------------------------------------------------------------------------------
 
 
-def plot(runs: list[RunRecord], groups: dict[str, list[dict]], metric: str, out_dir: Path) -> list[Path]:
-    """Validation curves by step and by wall-clock time; quality against speed with its Pareto front."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    for r in runs:
-        curve = r.curve(metric)
-        if not curve:
-            continue
-        steps, values, walls = zip(*curve)
-        style = "-" if r.status == "completed" else "--"
-        axes[0].plot(steps, values, style, marker=".", label=r.name)
-        if all(w is not None for w in walls):
-            axes[1].plot(walls, values, style, marker=".", label=r.name)
-    for ax, xlabel in zip(axes, ("step", "wall-clock seconds")):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-    axes[0].set_title(f"validation {metric} by step")
-    axes[1].set_title(f"validation {metric} by time")
-    if any(r.curve(metric) for r in runs):
-        axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out_dir / "val_curves.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for fingerprint, rows in groups.items():
-        points = [(row["tokens_per_s"], row["best"], row["run"]) for row in rows
-                  if row["tokens_per_s"] is not None and row["best"] is not None]
-        if not points:
-            continue
-        ax.scatter([p[0] for p in points], [p[1] for p in points], label=fingerprint if len(groups) > 1 else None)
-        for x, y, name in points:
-            ax.annotate(name, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
-        front = pareto_front([(x, y) for x, y, _ in points])
-        ax.plot([p[0] for p in front], [p[1] for p in front], "r--o", markerfacecolor="none", markersize=11,
-                label="Pareto front" if fingerprint == next(iter(groups)) else None)
-    ax.set_xlabel("training tokens/s (higher is better)")
-    ax.set_ylabel(f"best {metric} (lower is better)")
-    ax.set_title("quality against speed")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(out_dir / "quality_vs_speed.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-    return written
-
-
-def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Points no other point beats on both speed (higher) and metric (lower), by speed."""
-    front = []
-    for x, y in sorted(points, key=lambda p: (-p[0], p[1])):
-        if not front or y < front[-1][1]:
-            front.append((x, y))
-    return sorted(front)
-
-
 # ---- command -----------------------------------------------------------------------------------
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path)
-    parser.add_argument("--metric", default="val_bpc", help="validation metric to rank by (val_bpc, val_loss)")
+    parser.add_argument("--metric", default="val_bpc",
+                        help="validation metric to rank by (val_bpc, val_loss, val_accuracy; recall runs: val_accuracy)")
     parser.add_argument("--sort", default="best", choices=COLUMNS, help="column to sort by (default: best metric)")
     parser.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
     parser.add_argument("--out", type=Path, help="where review.md and the plots go (default: beside the first path)")
@@ -349,7 +295,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"warning: {r.path / SUMMARY} cannot be read ({r.unreadable}): its status is shown as unreadable",
                   file=sys.stderr)
     metric = args.metric
-    if metric == "val_bpc" and not any(r.curve("val_bpc") for r in runs) and any(r.curve("val_loss") for r in runs):
+    if metric == "val_bpc" and any(r.curve("val_accuracy") for r in runs):
+        metric = "val_accuracy"  # recall runs: what they found, ranked highest first
+    elif metric == "val_bpc" and not any(r.curve("val_bpc") for r in runs) and any(r.curve("val_loss") for r in runs):
         metric = "val_loss"  # runs that are not byte-level report no bits per byte
     groups = rank(runs, metric, args.sort)
     stats = seed_statistics(runs, metric)
@@ -368,7 +316,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     out_dir = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pictures = [] if args.no_plots else plot(runs, groups, metric, out_dir)
+    pictures = [] if args.no_plots else plot(runs, groups, metric, out_dir) + recall_plots(runs, out_dir)
     report = [f"# Review of {', '.join(map(str, args.paths))}", "", f"{len(runs)} runs, ranked by best {metric}.", "",
               text_table(groups, metric, markdown=True), seed_table(stats, metric, markdown=True)]
     report += [f"![{p.stem}]({p.name})\n" for p in pictures]

@@ -90,6 +90,8 @@ class TransformerLM(nn.Module):
     start equal and their mean is the output.
 
     forward(tokens [batch, seq]) -> logits [batch, seq, num_tokens]
+    forward(tokens, at=mask [batch, seq] bool) -> logits [mask.sum(), num_tokens] at those positions
+        alone (a loss that reads a few positions skips the output layer everywhere else)
     """
 
     def __init__(
@@ -124,8 +126,9 @@ class TransformerLM(nn.Module):
         self._stack_aux: Optional[Tensor] = None  # the reversible stack's auxiliary loss
         self.apply(_init_weights)
 
-    def forward(self, tokens: Tensor, cache: Optional[list] = None) -> Tensor:
-        return self.to_logits(self.hidden(tokens, cache))
+    def forward(self, tokens: Tensor, cache: Optional[list] = None, at: Optional[Tensor] = None) -> Tensor:
+        features = self.hidden(tokens, cache)
+        return self.to_logits(features if at is None else features[at])
 
     def embed(self, tokens: Tensor, start: int) -> Tensor:
         """tokens [batch, seq] at positions start.. -> [batch, seq, dim] (positions: the attention's)."""

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from contextlib import redirect_stderr
 from pathlib import Path

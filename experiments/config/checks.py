@@ -27,7 +27,7 @@ _AT_LEAST_1 = {
     "window_size", "num_clusters", "image_size", "codebook_dim", "num_layers", "hidden_dim", "channels", "seq_len",
     "text_seq_len", "kernel_size", "prime_length", "generate_length", "num_samples", "gamma", "window",
     "total_steps", "train_bytes", "val_bytes", "max_steps", "batch_size", "grad_accum", "val_batches", "log_every",
-    "keep_checkpoints",
+    "keep_checkpoints", "vocab_size", "num_kv_pairs", "digits", "depth_bins",
 }
 _AT_LEAST_0 = {
     "num_resnet_blocks", "warmup_steps", "patience", "cooldown", "vae_steps", "weight_decay", "anneal_rate",
@@ -35,7 +35,7 @@ _AT_LEAST_0 = {
     "initial_loss_scale_power", "cond_scale",
 }
 _STEPS = {"validate_every", "generate_every", "checkpoint_every"}  # 0: off
-_POSITIVE = {"lr", "eps", "ff_mult", "compress_hidden_mult", "vae_lr", "timeout_s"}
+_POSITIVE = {"lr", "eps", "ff_mult", "compress_hidden_mult", "vae_lr", "timeout_s", "power_a"}
 _FRACTION = {"attn_dropout", "ff_dropout", "cond_drop_prob", "filter_thres", "ema_decay"}  # [0, 1)
 _OPEN_FRACTION = {"val_fraction", "factor"}  # (0, 1)
 _OPTIONAL_AT_LEAST_1 = {"top_k": "the full distribution", "emb_dim": "dim", "threads": "torch's default"}

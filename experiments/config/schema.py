@@ -226,6 +226,28 @@ class Enwik8DataConfig:
     val_bytes: int = MISSING
 
 
+@dataclass
+class MQARDataConfig:
+    """Multi-query associative recall, generated (experiments/data/recall.py)."""
+
+    _target_: str = "experiments.data.recall.MQAR"
+    vocab_size: int = MISSING  # keys from the lower half, values from the upper half
+    seq_len: int = MISSING
+    num_kv_pairs: int = MISSING
+    power_a: float = MISSING  # query gaps drawn with weight gap^(power_a - 1)
+
+
+@dataclass
+class PasskeyDataConfig:
+    """A passkey hidden in built-in filler text, asked for at the end (experiments/data/recall.py)."""
+
+    _target_: str = "experiments.data.recall.Passkey"
+    seq_len: int = MISSING
+    digits: int = MISSING
+    depth_bins: int = MISSING  # validation depths, reported per bin
+    cache_dir: str = MISSING
+
+
 # ---- optimizer and schedule (partials: parameters and optimizer are bound by the task) -----
 
 
@@ -337,6 +359,12 @@ class SpeculativeTaskConfig(LanguageModelTaskConfig):
 
 
 @dataclass
+class RecallTaskConfig:
+    _target_: str = "experiments.tasks.recall.RecallTask"
+    num_samples: int = MISSING  # validation items written to samples/ at each generation
+
+
+@dataclass
 class DiscreteVAETaskConfig:
     _target_: str = "experiments.tasks.dvae.DiscreteVAETask"
     num_samples: int = MISSING  # validation images shown over their reconstructions
@@ -359,12 +387,12 @@ SCHEMAS = {
     "model": {"transformer": TransformerConfig, "nsa": NSAConfig, "sinkhorn": SinkhornConfig,
               "routing": RoutingConfig, "dvae": DiscreteVAEConfig, "dalle": DalleConfig},
     "data": {"text": TextDataConfig, "enwik8": Enwik8DataConfig, "shapes": ShapesDataConfig,
-             "image_folder": ImageFolderDataConfig},
+             "image_folder": ImageFolderDataConfig, "mqar": MQARDataConfig, "passkey": PasskeyDataConfig},
     "optimizer": {"adam": AdamConfig, "adamw": AdamWConfig},
     "schedule": {"cosine": CosineScheduleConfig, "constant": ConstantScheduleConfig, "plateau": PlateauScheduleConfig},
     "backend": {"local": LocalBackendConfig, "ddp": DDPBackendConfig, "deepspeed": DeepSpeedBackendConfig},
     "tracker": {"wandb": WandbConfig, "none": NoTrackerConfig},
-    "task": {"lm": LanguageModelTaskConfig, "speculative": SpeculativeTaskConfig,
+    "task": {"lm": LanguageModelTaskConfig, "speculative": SpeculativeTaskConfig, "recall": RecallTaskConfig,
              "dvae": DiscreteVAETaskConfig, "dalle": DalleTaskConfig},
 }
 

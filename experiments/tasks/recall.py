@@ -50,9 +50,9 @@ class RecallTask(Task):
 
     def loss(self, member: Member, batch):
         inputs, targets = batch
-        logits = member.trainee.forward(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
-        return loss + member.model.aux_loss(), {}
+        answer = targets != IGNORE
+        logits = member.trainee.forward(inputs, at=answer)  # [answers, vocab]: the output layer nowhere else
+        return F.cross_entropy(logits.float(), targets[answer]) + member.model.aux_loss(), {}
 
     def validation_metrics(self, member: Member) -> dict[str, float]:
         tr, backend, data = self.ctx.trainer, self.ctx.backend, self.ctx.data
@@ -61,12 +61,12 @@ class RecallTask(Task):
         count = torch.zeros(data.depth_bins)
         for batch in data.val_batches(tr.val_batches, tr.batch_size * backend.world_size):
             inputs, targets, depth = (t.to(backend.device) for t in self.val_shard(batch))
+            answer = targets != IGNORE
             with backend.autocast():
-                logits = member.model(inputs)
-            loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                                        reduction="sum").item()
-            answers += (targets != IGNORE).sum().item()
-            scored, units = answer_accuracy(logits, targets, data.per_sequence)
+                logits = member.model(inputs, at=answer)
+            loss_sum += F.cross_entropy(logits.float(), targets[answer], reduction="sum").item()
+            answers += answer.sum().item()
+            scored, units = answer_accuracy(logits.argmax(-1), targets, data.per_sequence)
             right.index_add_(0, depth.cpu(), scored.float().cpu())
             count.index_add_(0, depth.cpu(), units.float().cpu())
         figures = {"val_loss": loss_sum / max(answers, 1), "val_accuracy": (right.sum() / count.sum()).item()}
@@ -80,12 +80,13 @@ class RecallTask(Task):
         ctx = self.ctx
         model = ctx.members[0].model.eval()
         inputs, targets, depth = next(ctx.data.val_batches(1, self.num_samples))
+        answer = targets != IGNORE
         with ctx.backend.autocast():
-            predicted = model(inputs.to(ctx.backend.device)).argmax(-1).cpu()
+            predicted = targets.clone()
+            predicted[answer] = model(inputs.to(ctx.backend.device), at=answer.to(ctx.backend.device)).argmax(-1).cpu()
         lines = []
         for i in range(len(inputs)):
-            at = (targets[i] != IGNORE).nonzero()[:, 0]
-            expected, got = targets[i, at].tolist(), predicted[i, at].tolist()
+            expected, got = targets[i, answer[i]].tolist(), predicted[i, answer[i]].tolist()
             mark = "right" if expected == got else "WRONG"
             lines.append(f"item {i} (depth bin {int(depth[i])}): expected {expected}, predicted {got}: {mark}")
         text = "\n".join(lines) + "\n"
@@ -93,11 +94,13 @@ class RecallTask(Task):
         ctx.tracker.log_text("samples", text, step)
 
 
-def answer_accuracy(logits: torch.Tensor, targets: torch.Tensor, per_sequence: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [b, n, vocab], targets [b, n] (IGNORE but at answers) -> (right [b], answers counted [b]):
-    per answer token, or per sequence (1 when every answer token of the row is right)."""
+def answer_accuracy(predicted: torch.Tensor, targets: torch.Tensor, per_sequence: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """predicted [answers] (the tokens predicted at the answer positions, row by row), targets [b, n]
+    (IGNORE but at answers) -> (right [b], answers counted [b]): per answer token, or per sequence (1 when
+    every answer token of the row is right)."""
     answer = targets != IGNORE
-    correct = (logits.argmax(-1) == targets) & answer
+    correct = torch.zeros_like(answer)
+    correct[answer] = predicted == targets[answer]
     if per_sequence:
         has = answer.any(1)
         return ((correct.sum(1) == answer.sum(1)) & has).long(), has.long()

@@ -11,7 +11,8 @@ import pytest
 from matplotlib.image import imread
 
 from tests.helpers.runs import ROOT, TINY, TINY_NSA, run_env
-from experiments.review import find_runs, main, pareto_front
+from experiments.review import find_runs, main
+from experiments.review_plots import pareto_front
 from experiments.config.resolvers import job_subdir
 
 

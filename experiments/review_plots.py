@@ -1,0 +1,141 @@
+"""The review's pictures: validation curves, quality against speed, and for recall runs accuracy
+against width per attention (Zoology's layout) and a passkey depth x length map."""
+
+from pathlib import Path
+
+
+def higher_is_better(metric: str) -> bool:
+    return metric.startswith("val_accuracy")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(runs: list, groups: dict[str, list[dict]], metric: str, out_dir: Path) -> list[Path]:
+    """Validation curves by step and by wall-clock time; quality against speed with its Pareto front."""
+    plt = _pyplot()
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for r in runs:
+        curve = r.curve(metric)
+        if not curve:
+            continue
+        steps, values, walls = zip(*curve)
+        style = "-" if r.status == "completed" else "--"
+        axes[0].plot(steps, values, style, marker=".", label=r.name)
+        if all(w is not None for w in walls):
+            axes[1].plot(walls, values, style, marker=".", label=r.name)
+    for ax, xlabel in zip(axes, ("step", "wall-clock seconds")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"validation {metric} by step")
+    axes[1].set_title(f"validation {metric} by time")
+    if any(r.curve(metric) for r in runs):
+        axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    written.append(out_dir / "val_curves.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for fingerprint, rows in groups.items():
+        points = [(row["tokens_per_s"], row["best"], row["run"]) for row in rows
+                  if row["tokens_per_s"] is not None and row["best"] is not None]
+        if not points:
+            continue
+        ax.scatter([p[0] for p in points], [p[1] for p in points], label=fingerprint if len(groups) > 1 else None)
+        for x, y, name in points:
+            ax.annotate(name, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        front = pareto_front([(x, y) for x, y, _ in points], higher=higher_is_better(metric))
+        ax.plot([p[0] for p in front], [p[1] for p in front], "r--o", markerfacecolor="none", markersize=11,
+                label="Pareto front" if fingerprint == next(iter(groups)) else None)
+    ax.set_xlabel("training tokens/s (higher is better)")
+    ax.set_ylabel(f"best {metric} ({'higher' if higher_is_better(metric) else 'lower'} is better)")
+    ax.set_title("quality against speed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out_dir / "quality_vs_speed.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    return written
+
+
+def pareto_front(points: list[tuple[float, float]], higher: bool = False) -> list[tuple[float, float]]:
+    """Points no other point beats on both speed (higher) and metric (lower, or `higher`), by speed."""
+    sign = -1 if higher else 1
+    front = []
+    for x, y in sorted(points, key=lambda p: (-p[0], sign * p[1])):
+        if not front or sign * y < sign * front[-1][1]:
+            front.append((x, y))
+    return sorted(front)
+
+
+def _section(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config.get(part, {}) if isinstance(config, dict) else {}
+    return config if config != {} else None
+
+
+def recall_plots(runs: list, out_dir: Path) -> list[Path]:
+    """recall_by_width.png: best val_accuracy against model.dim, one line per attention, one panel per
+    data.seq_len (MQAR sweeps). passkey_depth.png: final accuracy per depth bin and length, one map per
+    attention (passkey runs)."""
+    plt = _pyplot()
+    written = []
+    points = {}  # seq_len -> attention -> {dim: best accuracy}
+    for r in runs:
+        best, config = r.best("val_accuracy"), r.config()
+        if best is None or any(k.startswith("val_accuracy_depth") for k in r.summary):
+            continue
+        model, dim, seq = r.summary.get("model") or "?", _section(config, "model.dim"), _section(config, "data.seq_len")
+        previous = points.setdefault(seq, {}).setdefault(model, {}).get(dim, 0.0)
+        points[seq][model][dim] = max(previous, best)  # the best seed
+    if points:
+        lengths = sorted(points, key=lambda s: (s is None, s))
+        fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 4), squeeze=False)
+        for ax, seq in zip(axes[0], lengths):
+            for model, by_dim in sorted(points[seq].items()):
+                dims = sorted(d for d in by_dim if d is not None)
+                ax.plot(dims, [by_dim[d] for d in dims], marker="o", label=model)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_xlabel("model.dim")
+            ax.set_title(f"seq_len {seq}")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("best val_accuracy")
+        axes[0][-1].legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out_dir / "recall_by_width.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    maps = {}  # attention -> {(depth bin, seq_len): accuracy}
+    for r in runs:
+        depths = {k: v for k, v in r.summary.items() if k.startswith("val_accuracy_depth")}
+        seq = _section(r.config(), "data.seq_len")
+        for key, value in depths.items():
+            maps.setdefault(r.summary.get("model") or "?", {})[(int(key.removeprefix("val_accuracy_depth")), seq)] = value
+    if maps:
+        fig, axes = plt.subplots(1, len(maps), figsize=(4.5 * len(maps), 4), squeeze=False)
+        for ax, (model, cells) in zip(axes[0], sorted(maps.items())):
+            bins = sorted({b for b, _ in cells})
+            lengths = sorted({s for _, s in cells}, key=lambda s: (s is None, s))
+            grid = [[cells.get((b, s), float("nan")) for s in lengths] for b in bins]
+            image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
+            ax.set_xticks(range(len(lengths)), [str(s) for s in lengths])
+            ax.set_yticks(range(len(bins)), [f"{(b + 0.5) / len(bins):.0%}" for b in bins])
+            ax.set_xlabel("data.seq_len")
+            ax.set_ylabel("needle depth")
+            ax.set_title(model)
+        fig.colorbar(image, ax=axes[0].tolist(), label="val_accuracy")
+        written.append(out_dir / "passkey_depth.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

@@ -1,0 +1,91 @@
+"""MQAR and passkey data: every answer can be found in its own sequence, batches are reproducible
+and shared out by rank, and impossible knobs are refused before anything trains."""
+
+import pytest
+import torch
+
+from experiments.data.recall import MQAR, Passkey
+from experiments.runtime.errors import UserError
+from models.transformer import IGNORE
+
+
+def mqar(**kw):
+    return MQAR(**{"vocab_size": 64, "seq_len": 64, "num_kv_pairs": 8, "power_a": 0.01, **kw})
+
+
+@pytest.mark.parametrize("knobs", [{}, {"seq_len": 32, "num_kv_pairs": 8}, {"vocab_size": 8192, "num_kv_pairs": 4}])
+def test_every_mqar_answer_is_the_value_its_key_was_given(knobs):
+    data = mqar(**knobs)
+    inputs, targets, _ = data.train_batch(16, seed=3, step=5)
+    n, half = data.num_kv_pairs, data.vocab_size // 2
+    for x, y in zip(inputs, targets):
+        pairs = dict(zip(x[0 : 2 * n : 2].tolist(), x[1 : 2 * n : 2].tolist()))
+        assert len(pairs) == n and all(0 < k < half <= v < data.vocab_size for k, v in pairs.items())
+        asked = (y != IGNORE).nonzero()[:, 0]
+        assert len(asked) == n and (asked >= 2 * n - 1).all()  # one query per pair, after the pairs
+        for p in asked.tolist():
+            assert pairs[int(x[p])] == int(y[p])  # the input at an answer is the key, its target the value
+        assert sorted(int(x[p]) for p in asked) == sorted(pairs)  # every key asked once
+
+
+def test_mqar_query_gaps_follow_a_power_law():
+    data = mqar(vocab_size=512, seq_len=256, num_kv_pairs=4)
+    _, targets, _ = data.train_batch(256, seed=0, step=0)
+    positions = (targets != IGNORE).nonzero()[:, 1]
+    slots = (positions - 2 * data.num_kv_pairs) // 2
+    near, far = (slots < 8).float().mean(), (slots >= 64).float().mean()
+    assert near > 0.3 and 0 < far < near  # most queries come soon after the pairs, some far
+
+
+def test_batches_are_reproducible_and_split_by_rank():
+    data = mqar()
+    whole = data.train_batch(6, seed=1, step=7, micro=1)
+    again = data.train_batch(6, seed=1, step=7, micro=1)
+    halves = [data.train_batch(3, seed=1, step=7, micro=1, rank=r, world_size=2) for r in (0, 1)]
+    for i in range(3):
+        assert torch.equal(whole[i], again[i])
+        assert torch.equal(torch.cat([h[i] for h in halves]), whole[i])
+    assert not torch.equal(data.train_batch(6, seed=1, step=8, micro=1)[0], whole[0])
+    first, second = next(data.val_batches(1, 4)), next(data.val_batches(1, 4))
+    assert torch.equal(first[0], second[0])  # validation: the same items every time
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"seq_len": 16, "num_kv_pairs": 8}, "take 32 tokens, more than data.seq_len=16"),
+    ({"vocab_size": 16, "num_kv_pairs": 8}, "data.vocab_size=16 has 7 key ids"),
+    ({"num_kv_pairs": 0}, "data.num_kv_pairs=0 must be at least 1"),
+    ({"power_a": 0.0}, "data.power_a=0.0 must be positive"),
+])
+def test_impossible_mqar_knobs_are_refused(knobs, message):
+    with pytest.raises(UserError, match=message):
+        mqar(**knobs)
+
+
+def passkey(tmp_path, **kw):
+    return Passkey(**{"seq_len": 256, "digits": 5, "depth_bins": 4, "cache_dir": str(tmp_path), **kw})
+
+
+def test_every_passkey_answer_is_the_number_hidden_at_its_depth(tmp_path):
+    data = passkey(tmp_path)
+    for inputs, targets, depth in [data.train_batch(8, seed=0, step=2), next(data.val_batches(1, 8))]:
+        for x, y in zip(inputs, targets):
+            text = data.decode(x)
+            answer = bytes(y[y != IGNORE].tolist()).decode()
+            assert len(answer) == 5 and answer.isdigit()
+            assert f"The pass key is {answer}. Remember it. {answer} is the pass key." in text
+            assert text.endswith("What is the pass key? The pass key is " + answer[:-1])
+    depths = torch.cat([b[2] for b in data.val_batches(2, 8)])
+    assert torch.bincount(depths, minlength=4).tolist() == [4, 4, 4, 4]  # every bin equally often
+
+
+def test_passkey_depth_bins_place_the_needle(tmp_path):
+    data = passkey(tmp_path, seq_len=1024, depth_bins=4)
+    inputs, targets, depth = next(data.val_batches(1, 4))
+    places = [data.decode(x).index("The pass key is") / len(x) for x in inputs]
+    assert depth.tolist() == [0, 1, 2, 3] and places == sorted(places)
+    assert places[0] < 0.25 < places[1] < 0.5 < places[2] < 0.75 < places[3]
+
+
+def test_a_passkey_sequence_too_short_is_refused(tmp_path):
+    with pytest.raises(UserError, match="data.seq_len=64 leaves no room"):
+        passkey(tmp_path, seq_len=64)

@@ -1,0 +1,39 @@
+"""The recall task: accuracy over answers on hand-made predictions, and a whole run that reports it."""
+
+import torch
+
+from experiments.tasks.recall import answer_accuracy
+from models.transformer import IGNORE
+from tests.helpers.runs import read_metrics, read_summary, train
+
+I = IGNORE
+
+
+def test_accuracy_counts_answer_tokens_or_whole_sequences():
+    targets = torch.tensor([[I, 5, I, 6], [I, I, 7, 8], [I, I, I, 9]])
+    predicted = torch.tensor([5, 0, 7, 8, 1])  # row 0: right, wrong; row 1: right, right; row 2: wrong
+    right, units = answer_accuracy(predicted, targets, per_sequence=False)
+    assert right.tolist() == [1, 2, 0] and units.tolist() == [2, 2, 1]
+    right, units = answer_accuracy(predicted, targets, per_sequence=True)
+    assert right.tolist() == [0, 1, 0] and units.tolist() == [1, 1, 1]
+
+
+def test_an_mqar_run_reports_val_accuracy(tmp_path):
+    run = tmp_path / "run"
+    train(run, "experiment=mqar", "data.vocab_size=64", "data.seq_len=32", "model.dim=32", "trainer.max_steps=3",
+          "trainer.batch_size=4", "trainer.val_batches=2", "trainer.validate_every=0", base=[
+              "trainer.log_every=1", "trainer.progress=false", "trainer.threads=1", "tracker=none"])
+    validation = [row for row in read_metrics(run) if "val_accuracy" in row]
+    summary = read_summary(run)
+    assert len(validation) == 1 and 0 <= validation[0]["val_accuracy"] <= 1
+    assert summary["val_accuracy"] == validation[0]["val_accuracy"] and summary["task"] == "recall"
+    assert "expected" in next((run / "samples").glob("*.txt")).read_text()
+
+
+def test_a_passkey_run_reports_accuracy_per_depth(tmp_path):
+    run = tmp_path / "run"
+    train(run, "experiment=passkey", "data.seq_len=128", "data.depth_bins=2", "model=transformer", "model.dim=32",
+          "model.depth=1", "trainer.max_steps=2", "trainer.batch_size=2", "trainer.val_batches=2", base=[
+              "trainer.log_every=1", "trainer.progress=false", "trainer.threads=1", "tracker=none"])
+    summary = read_summary(run)
+    assert {"val_accuracy", "val_accuracy_depth0", "val_accuracy_depth1"} <= set(summary)
