@@ -6,14 +6,15 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from matplotlib.image import imread
 
-from tests.helpers.runs import ROOT, TINY, TINY_NSA, run_env
+from experiments.config.resolvers import job_subdir
 from experiments.review import find_runs, main
 from experiments.review_plots import pareto_front
-from experiments.config.resolvers import job_subdir
+from tests.helpers.runs import ROOT, TINY, TINY_NSA, run_env
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +126,29 @@ def test_optuna_preset_runs_trials_in_their_own_directories(tmp_path):
     jobs = sorted(p.parent.parent.name.split(",")[0] for p in tmp_path.rglob("summary.json"))
     assert jobs == ["trial=0", "trial=1"]
     assert "best_value" in (tmp_path / "optimization_results.yaml").read_text()
+
+
+def _recall_run(root: Path, name: str, model: str, dim: int, seq: int, accuracy: float, depths=None) -> None:
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text(f"- model={model}\n- model.dim={dim}\n- data.seq_len={seq}\n")
+    (run / ".hydra" / "config.yaml").write_text(f"model:\n  dim: {dim}\ndata:\n  seq_len: {seq}\n")
+    figures = {"val_accuracy": accuracy, **{f"val_accuracy_depth{i}": a for i, a in enumerate(depths or [])}}
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_loss": 1 - accuracy, **figures}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "step": 10, "model": model, "task": "recall",
+                                                  "data_fingerprint": f"mqar-{seq}", **figures}))
+
+
+def test_recall_runs_are_ranked_by_accuracy_and_drawn_by_width_and_depth(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    for model, accuracies in {"transformer": (1.0, 1.0), "nsa": (0.4, 0.9)}.items():
+        for dim, accuracy in zip((32, 64), accuracies):
+            _recall_run(sweep, f"{model}-{dim}", model, dim, 64, accuracy)
+    _recall_run(sweep, "passkey-nsa", "nsa", 64, 2048, 0.5, depths=[1.0, 0.0])
+    assert main([str(sweep), "--format", "csv"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header, rows = out[0].split(","), [dict(zip(out[0].split(","), line.split(","))) for line in out[1:] if line]
+    mqar = [r for r in rows if r["data"] == "mqar-64"]
+    assert [float(r["best"]) for r in mqar] == [1.0, 1.0, 0.9, 0.4]  # highest first
+    assert (sweep / "recall_by_width.png").stat().st_size > 0 and (sweep / "passkey_depth.png").stat().st_size > 0
+    assert "val_accuracy" in (sweep / "review.md").read_text()
