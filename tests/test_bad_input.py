@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 from experiments.config.checks import check_config, composition_error
 from experiments.runtime.errors import UserError
-from tests.helpers.runs import ROOT, losses, read_metrics, read_summary, run_env, start_train, train
+from tests.helpers.runs import ROOT, read_metrics, read_summary, run_env, start_long_train, train
 
 # ---- config values: every group, checked before anything is built ---------------------------------
 
@@ -285,10 +284,7 @@ def test_a_run_directory_that_is_a_file(tmp_path):
 
 def test_ctrl_c_exits_130_and_records_interrupted(tmp_path):
     run = tmp_path / "run"
-    proc = start_train(run, "trainer.max_steps=100000", "trainer.checkpoint_every=0", "trainer.validate_every=0")
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(losses(run)) >= 2):
-        time.sleep(0.05)
+    proc = start_long_train(run, 2)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 128 + signal.SIGINT
     assert read_summary(run)["status"] == "interrupted"
@@ -297,10 +293,7 @@ def test_ctrl_c_exits_130_and_records_interrupted(tmp_path):
 def test_a_fresh_start_after_a_kill_keeps_none_of_the_killed_attempt(tmp_path):
     """Killed before its first checkpoint: the next start is a fresh run, without the old rows."""
     run = tmp_path / "run"
-    proc = start_train(run, "trainer.max_steps=100000", "trainer.checkpoint_every=0", "trainer.validate_every=0")
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(losses(run)) >= 3):
-        time.sleep(0.05)
+    proc = start_long_train(run, 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     (run / "checkpoints").mkdir(exist_ok=True)

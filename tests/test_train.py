@@ -3,13 +3,12 @@
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from tests.helpers.runs import (ROOT, TINY, TINY_NSA, run_env, kill_after_first_checkpoint, losses, read_metrics, read_summary,
-                      start_train, train)
+from tests.helpers.runs import (ROOT, TINY, TINY_NSA, kill_after_first_checkpoint, losses, read_metrics, read_summary,
+                                run_env, start_long_train, train)
 
 
 def test_a_few_steps_write_every_file_of_the_run_directory(tmp_path):
@@ -54,10 +53,7 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
     run = tmp_path / "run"
-    proc = start_train(run, "trainer.max_steps=100000", "trainer.checkpoint_every=0", "trainer.validate_every=0")
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(losses(run)) >= 3):
-        time.sleep(0.05)
+    proc = start_long_train(run, 3)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM  # a scheduler sees it did not complete
     summary = read_summary(run)

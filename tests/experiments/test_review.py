@@ -147,7 +147,7 @@ def test_recall_runs_are_ranked_by_accuracy_and_drawn_by_width_and_depth(tmp_pat
     _recall_run(sweep, "passkey-nsa", "nsa", 64, 2048, 0.5, depths=[1.0, 0.0])
     assert main([str(sweep), "--format", "csv"]) == 0
     out = capsys.readouterr().out.splitlines()
-    header, rows = out[0].split(","), [dict(zip(out[0].split(","), line.split(","))) for line in out[1:] if line]
+    rows = [dict(zip(out[0].split(","), line.split(","))) for line in out[1:] if line]
     mqar = [r for r in rows if r["data"] == "mqar-64"]
     assert [float(r["best"]) for r in mqar] == [1.0, 1.0, 0.9, 0.4]  # highest first
     assert (sweep / "recall_by_width.png").stat().st_size > 0 and (sweep / "passkey_depth.png").stat().st_size > 0

@@ -105,3 +105,17 @@ def read_summary(run_dir: Path) -> dict:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
+
+
+def start_long_train(run_dir: Path, logged_steps: int, *overrides: str) -> subprocess.Popen:
+    """Start a run that would go on for ever (no checkpoints, no validation) and return once it has
+    logged `logged_steps` training steps: ready to be signalled or killed mid-run."""
+    import time
+
+    proc = start_train(run_dir, "trainer.max_steps=100000", "trainer.checkpoint_every=0",
+                       "trainer.validate_every=0", *overrides)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((Path(run_dir) / "metrics.jsonl").is_file()
+                                          and len(losses(run_dir)) >= logged_steps):
+        time.sleep(0.05)
+    return proc
