@@ -31,7 +31,8 @@ def tiny_image_folder(tmp_path):
                          ids=[f"{g}={o}" for g, opts in OPTIONS.items() for o in opts])
 def test_every_option_composes_and_instantiates(compose, tmp_path, group, option):
     images = (group, option) in {("data", "shapes"), ("data", "image_folder")}
-    overrides = [f"{group}={option}"] + ([] if images else ["data.seq_len=64"])
+    recall = (group, option) in {("data", "mqar"), ("data", "passkey")}
+    overrides = [f"{group}={option}"] + ([] if images else [f"data.seq_len={128 if option == 'passkey' else 64}"])
     if (group, option) in {("data", "text"), ("data", "enwik8")}:
         overrides.append(f"data.path={tiny_data_file(tmp_path)}")
         if option == "enwik8":
@@ -59,6 +60,9 @@ def test_every_option_composes_and_instantiates(compose, tmp_path, group, option
         part(optimizer)
     elif group == "model":
         assert part(torch.zeros(1, 64, dtype=torch.long)).shape == (1, 64, 256)
+    elif recall:  # inputs, targets (IGNORE but at the answers), depth bins
+        inputs, targets, depth = part.train_batch(2, seed=0, step=0)
+        assert inputs.shape == targets.shape == (2, part.seq_len) and depth.shape == (2,)
     elif group == "data":
         assert part.train_batch(2, seed=0, step=0).shape == (2, 65)
     else:
