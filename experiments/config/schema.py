@@ -235,6 +235,7 @@ class MQARDataConfig:
     seq_len: int = MISSING
     num_kv_pairs: int = MISSING
     power_a: float = MISSING  # query gaps drawn with weight gap^(power_a - 1)
+    random_non_queries: bool = MISSING  # random tokens between the queries (else 0)
 
 
 @dataclass

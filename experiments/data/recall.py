@@ -6,7 +6,8 @@ of those keys at power-law distances; after each queried key the model must give
     k1 v1 k2 v2 ... kN vN | 0 0 k2 v2 0 k1 v1 0 0 0 ... kN vN 0 ...
                             targets: v2 after k2, v1 after k1, ...; every other position is ignored
 
-Keys come from the lower half of the vocabulary, values from the upper half, 0 fills the rest.
+Keys come from the lower half of the vocabulary, values from the upper half; the rest is random tokens
+(Zoology's `random_non_queries`) or 0.
 
 Passkey retrieval (as the NSA paper checks it): a number hidden at a chosen depth of filler text (the
 built-in corpus), asked for at the end; the model must give its digits.
@@ -71,7 +72,7 @@ class RecallData:
 class MQAR(RecallData):
     """Zoology's multi-query associative recall. seq_len counts the model's inputs."""
 
-    def __init__(self, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a: float):
+    def __init__(self, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a: float, random_non_queries: bool):
         n = num_kv_pairs
         if n < 1:
             raise UserError(f"data.num_kv_pairs={n} must be at least 1")
@@ -85,7 +86,8 @@ class MQAR(RecallData):
         if not power_a > 0:
             raise UserError(f"data.power_a={power_a} must be positive (Zoology: 0.01)")
         self.vocab_size, self.seq_len, self.num_kv_pairs, self.power_a = vocab_size, seq_len, n, power_a
-        self.name = f"mqar-v{vocab_size}-n{seq_len}-kv{n}-a{power_a}"
+        self.random_non_queries = random_non_queries
+        self.name = f"mqar-v{vocab_size}-n{seq_len}-kv{n}-a{power_a}" + ("-r" if random_non_queries else "")
         # query slots of two tokens after the pairs; slot i (from the pairs on) drawn with weight i^(a - 1)
         self.slots = (seq_len + 1 - 2 * n) // 2
         self.slot_weights = torch.arange(1, self.slots + 1, dtype=torch.float64) ** (power_a - 1)
@@ -94,7 +96,10 @@ class MQAR(RecallData):
         n, half = self.num_kv_pairs, self.vocab_size // 2
         keys = torch.rand(b, half - 1, generator=gen).argsort(-1)[:, :n] + 1  # distinct, in [1, half)
         values = torch.randint(half, self.vocab_size, (b, n), generator=gen)
-        tokens = torch.zeros(b, self.seq_len + 1, dtype=torch.long)
+        if self.random_non_queries:  # what the queries do not overwrite: any token
+            tokens = torch.randint(0, self.vocab_size, (b, self.seq_len + 1), generator=gen)
+        else:
+            tokens = torch.zeros(b, self.seq_len + 1, dtype=torch.long)
         tokens[:, 0 : 2 * n : 2], tokens[:, 1 : 2 * n : 2] = keys, values
         slots = torch.multinomial(self.slot_weights.expand(b, -1), n, replacement=False, generator=gen)
         which = torch.rand(b, n, generator=gen).argsort(-1)  # the pair each query asks for

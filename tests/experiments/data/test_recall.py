@@ -10,7 +10,7 @@ from models.transformer import IGNORE
 
 
 def mqar(**kw):
-    return MQAR(**{"vocab_size": 64, "seq_len": 64, "num_kv_pairs": 8, "power_a": 0.01, **kw})
+    return MQAR(**{"vocab_size": 64, "seq_len": 64, "num_kv_pairs": 8, "power_a": 0.01, "random_non_queries": True, **kw})
 
 
 @pytest.mark.parametrize("knobs", [{}, {"seq_len": 32, "num_kv_pairs": 8}, {"vocab_size": 8192, "num_kv_pairs": 4}])
