@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
@@ -288,6 +289,24 @@ def test_ctrl_c_exits_130_and_records_interrupted(tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 128 + signal.SIGINT
     assert read_summary(run)["status"] == "interrupted"
+
+
+def test_sigterm_stops_a_sweep_after_checkpointing_its_current_job(tmp_path):
+    from tests.helpers.runs import TINY_LM
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY_LM, "trainer.max_steps=100000",
+           "trainer.checkpoint_every=0", "trainer.validate_every=0", "trainer.seed=0,1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env())
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(sweep.rglob("metrics.jsonl")):
+        time.sleep(0.1)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    summaries = [json.loads(p.read_text()) for p in sweep.rglob("summary.json")]
+    assert [s["status"] for s in summaries] == ["interrupted"]  # the second job never started
 
 
 def test_a_fresh_start_after_a_kill_keeps_none_of_the_killed_attempt(tmp_path):

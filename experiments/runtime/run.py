@@ -3,8 +3,9 @@
 `Run` owns metrics.jsonl, summary.json, samples/ and checkpoints/ of one Hydra job directory.
 Used as a context manager it records how the run ended: "completed", "failed" (with the error)
 or "interrupted" (SIGTERM or Ctrl-C: the loop checkpoints at the next step boundary). In a sweep a
-failed or interrupted job is recorded and the sweep goes on; a single run exits non-zero (128 + the
-signal's number when interrupted) with one clear message.
+failed job is recorded and the sweep goes on; a single run exits non-zero with one clear message. An
+interrupted run or sweep exits 128 + the signal's number (a launcher that runs each job in its own
+process, such as submitit, goes on with the other jobs).
 
 A directory that already holds a run is not touched until the loop accepts this session (`accept`:
 the config fits, the checkpoint loads). A session refused or failing before that leaves every file
@@ -195,15 +196,15 @@ class Run:
                 self.summary["error"] = failure
                 self.write_summary("failed")
                 return self._exit(1)
-            if self.stop_requested:
+            if self.stop_requested:  # the whole process stops, a sweep too: its later jobs do not start
                 self.write_summary("interrupted")
-                return self._exit(128 + (self.stop_signal or signal.SIGTERM))
+                sys.exit(128 + (self.stop_signal or signal.SIGTERM))
             self.write_summary("completed")
             return False
         if issubclass(exc_type, KeyboardInterrupt):  # a second Ctrl-C
             self.summary["error"] = "interrupted by the user"
             self.write_summary("interrupted")
-            return self._exit(128 + signal.SIGINT)
+            sys.exit(128 + signal.SIGINT)
         if issubclass(exc_type, SystemExit):
             return False
         known = issubclass(exc_type, (UserError, TrainingError))
