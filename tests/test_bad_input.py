@@ -79,9 +79,9 @@ def test_every_problem_of_a_config_is_named_at_once(compose):
         check_config(compose("model.heads=0", "optimizer.lr=-1"))
 
 
-def test_the_shipped_options_pass(compose):
-    for overrides in ([], ["experiment=dalle"], ["experiment=speculative"], ["model=sinkhorn"], ["model=routing"],
-                      ["backend=deepspeed"], ["schedule=plateau"], ["experiment=nsa_enwik8"]):
+def test_the_shipped_options_and_presets_pass(compose):
+    presets = [[f"experiment={p.stem}"] for p in sorted((ROOT / "conf" / "experiment").glob("*.yaml"))]
+    for overrides in ([], ["model=sinkhorn"], ["model=routing"], ["backend=deepspeed"], ["schedule=plateau"], *presets):
         check_config(compose(*overrides))
 
 
