@@ -225,8 +225,11 @@ class Run:
                           f"{self.dir / 'train.log'})")
 
     def _exit(self, status) -> bool:
-        """A single run exits with `status`; in a sweep the job's summary records it and the sweep goes on."""
+        """A single run exits with `status`; in a sweep the job's summary records it, the console gets
+        its line, and the sweep goes on."""
         if self.multirun:
+            if isinstance(status, str):
+                print(f"{status} (job {self.name})", file=sys.stderr)
             return True
         sys.exit(status)
 
