@@ -32,7 +32,7 @@ _AT_LEAST_1 = {
 _AT_LEAST_0 = {
     "num_resnet_blocks", "warmup_steps", "patience", "cooldown", "vae_steps", "weight_decay", "anneal_rate",
     "kl_weight", "temperature", "temperature_min", "commitment_weight", "loss_img_weight", "min_lr",
-    "initial_loss_scale_power", "cond_scale",
+    "initial_loss_scale_power", "cond_scale", "distill_weight",
 }
 _STEPS = {"validate_every", "generate_every", "checkpoint_every"}  # 0: off
 _POSITIVE = {"lr", "eps", "ff_mult", "compress_hidden_mult", "vae_lr", "timeout_s", "power_a"}

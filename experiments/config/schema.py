@@ -356,6 +356,7 @@ class LanguageModelTaskConfig:
 class SpeculativeTaskConfig(LanguageModelTaskConfig):
     _target_: str = "experiments.tasks.speculative.SpeculativeTask"
     gamma: int = MISSING  # draft tokens per verification step
+    distill_weight: float = MISSING  # the draft's loss adds this times KL(target || draft) on the same batches
     temperature: float = MISSING  # 0: greedy, which speculative decoding reproduces token for token
 
 

@@ -8,11 +8,14 @@ import time
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from experiments.runtime.errors import UserError
 from experiments.tasks.lm import LanguageModelTask
+from experiments.tasks.task import Member
 from models.sampling import generate
 from models.speculative import speculative_generate
+from models.transformer import IGNORE
 
 
 def compare_decoding(target, draft, prompt, length: int, gamma: int, temperature: float, top_k: Optional[int],
@@ -39,16 +42,51 @@ def compare_decoding(target, draft, prompt, length: int, gamma: int, temperature
     }
 
 
+def distillation_kl(logits, target_logits, mask):
+    """KL(softmax(target_logits) || softmax(logits)) per position, averaged over the positions where
+    mask is true: logits, target_logits [batch, seq, vocab], mask [batch, seq] -> scalar."""
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    log_p = F.log_softmax(target_logits.float(), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
 class SpeculativeTask(LanguageModelTask):
-    """The language-model task for both members; only the sample differs."""
+    """The language-model task for both members, the draft optionally distilled from the target
+    (`distill_weight`); the sample times plain against speculative decoding."""
 
     name = "speculative"
 
-    def __init__(self, gamma: int, **lm_knobs):
+    def __init__(self, gamma: int, distill_weight: float, **lm_knobs):
         super().__init__(**lm_knobs)
         if gamma < 1:
             raise ValueError(f"gamma={gamma} must be at least 1: set task.gamma")
         self.gamma = gamma
+        self.distill_weight = distill_weight
+        self._target_logits = None  # (batch, the target's detached logits on it)
+
+    def loss(self, member: Member, batch):
+        """The language-model loss; the target's logits are kept for the draft's distillation term,
+        KL(target || draft) per position averaged over the positions with a target: the draft
+        learns to put its mass where the target does, which is what acceptance counts. The target
+        runs first on each micro-batch (it is the first member), so its logits are reused, not
+        recomputed."""
+        if self.distill_weight == 0:
+            return super().loss(member, batch)
+        inputs, targets = batch
+        logits = member.trainee.forward(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+        loss = loss + member.model.aux_loss()
+        if member is self.ctx.members[0]:
+            self._target_logits = (batch, logits.detach())
+            return loss, {}
+        kept, target_logits = self._target_logits if self._target_logits else (None, None)
+        if kept is not batch:  # not after the target's loss on this batch: compute its logits
+            with torch.no_grad():
+                target_logits = self.ctx.members[0].model(inputs)
+        self._target_logits = None
+        kl = distillation_kl(logits, target_logits, targets != IGNORE)
+        return loss + self.distill_weight * kl, {"distill_kl": kl.item()}
 
     def setup(self, nets):
         if "draft_" not in nets:
