@@ -50,11 +50,24 @@ def plain(name: str, threads: int) -> dict:
         model = transformer_lm(**SEED_TARGET).eval()
         decode = lambda: generate(model, prompt, LENGTH, temperature=0.0)  # noqa: E731
     with torch.no_grad():
-        decode()  # warm-up: first-call allocations are not decoding speed
+        decode()  # warm-up: first-call allocations (and measuring the linears' plan) are not decoding speed
         t0 = time.perf_counter()
         decode()
         seconds = time.perf_counter() - t0
-    return {"model": name, "params": sum(p.numel() for p in model.parameters()), "tokens_per_s": LENGTH / seconds}
+    return {"model": name, "params": sum(p.numel() for p in model.parameters()), "tokens_per_s": LENGTH / seconds,
+            "plan": None if name == "ref" else _plan(model, threads)}
+
+
+def _plan(model, threads: int) -> str:
+    """The paths decoding's linears took on this CPU, as a line."""
+    from torch import nn
+
+    from models.sampling import _BUCKETS, decoding_plan
+
+    plan = decoding_plan([m for m in model.modules() if isinstance(m, nn.Linear)], threads) if threads > 1 else {}
+    names = {1: "1 row", _BUCKETS[1][0]: f"2-{_BUCKETS[1][0]} rows", _BUCKETS[2][0]:
+             f"{_BUCKETS[1][0] + 1}-{_BUCKETS[2][0]} rows"}
+    return ", ".join(f"{names[rows]} {path}" for rows, path in plan.items()) or "plain (one thread)"
 
 
 def speculative(run: Path, gamma: int, length: int, primes: int, temperature: float, threads: int,
@@ -132,7 +145,9 @@ def main() -> None:
                if args.run else plain(args.models[0], args.threads))
         print(json.dumps(row))
         return
-    from experiments.runtime.throughput import measure_in_child, median_row
+    import torch
+
+    from experiments.runtime.throughput import bf16_matrix_units, device_name, measure_in_child, median_row
 
     rows: dict[str, list[dict]] = {}
     failed = set()
@@ -150,6 +165,10 @@ def main() -> None:
                 print(f"{name} failed: {e}" + (" (see the module docstring to install it)" if name == "ref" else ""))
                 failed.add(name)
     plain_rows = {name: median_row(runs, "tokens_per_s") for name, runs in rows.items() if name != "pair" and runs}
+    print(f"{device_name(torch.device('cpu'))}, {args.threads} threads; bf16 matrix units: "
+          f"{'yes' if bf16_matrix_units() else 'no'}")
+    if plain_rows.get("ours"):
+        print(f"decoding linears (measured on this CPU): {plain_rows['ours']['plan']}")
     if plain_rows:
         print(f"plain decoding, seed target: {PRIME}-token prime, {LENGTH} greedy tokens, batch 1, fp32")
         print(f"{'model':<6} {'params':>12} {'tokens/s':>10}")

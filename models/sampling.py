@@ -1,6 +1,7 @@
 """Sampling helpers shared by every task: filtering, one sampling step, cached generation."""
 
 import contextlib
+import time
 from typing import Optional
 
 import torch
@@ -37,30 +38,38 @@ def sample(
 
 
 _FEW_ROWS = 16  # decoding steps and verification passes; longer inputs (a prompt) keep the plain product
-_VECTOR_ROWS = 4  # up to here, weight slices times x^T beats x times slices^T
+# rows of a product -> the bucket whose measured path it takes: one row (a decoding step), a few,
+# many (a verification pass of gamma + 1 tokens); each bucket is timed at its representative rows
+_BUCKETS = ((1, 1), (4, 4), (_FEW_ROWS, 8))  # (up to rows, rows timed)
+_PLANS: dict = {}  # (weight shapes, threads) -> {bucket's rows: path}, measured once per process
 
 
 @contextlib.contextmanager
-def decoding_linears(*models: nn.Module):
-    """Decoding multiplies each weight by one to a few vectors per step, and MKL runs those
-    products on one core at a fraction of the memory bandwidth: a [2048, 512] fp32 weight times
-    one vector streams at ~10 GB/s whatever the thread count. Inside this context, fp32 linears on
-    the CPU cut the weight into slices of output rows (views, no copies) and multiply all slices
-    in one batched product, which spreads them over the cores:
+def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
+    """Decoding multiplies each weight by one to a few vectors per step, and how fast the BLAS
+    does that depends on the CPU: on an AMD EPYC MKL runs a one-row product on one core at a
+    fraction of the memory bandwidth (a [2048, 512] fp32 weight streams at ~10 GB/s whatever the
+    thread count), where other CPUs run it in parallel. Inside this context, fp32 linears on the
+    CPU take, per number of rows, whichever of three paths measured fastest on this CPU for these
+    weights (`decoding_plan`):
 
-        1-4 rows       weight slices [slices, out / slices, in] @ x^T   ~30 GB/s at one row (4 slices a thread)
-        5-16 rows      x @ weight slices^T, a slice per thread           ~12 GB/s (vs ~10)
+        plain    the usual product
+        vector   weight slices [slices, out / slices, in] @ x^T, 4 slices a thread  (EPYC: ~24 GB/s at one row)
+        matrix   x @ weight slices^T, a slice per thread                              (EPYC: best at 6-8 rows)
 
-    Ten layers of dim 512 then read their weights in ~3.5 ms per token instead of ~9-12 ms.
-    Other dtypes and devices are left alone (the half-precision product is already parallel)."""
+    The slices are views of the weight, not copies. Other dtypes and devices are left alone (the
+    half-precision product is already parallel). `plan` ({bucket's rows: path}) skips the
+    measurement. Inside an enclosing context, the linears it patched keep its plan."""
     threads = torch.get_num_threads()
+    linears = [module for model in models for module in model.modules()
+               if isinstance(module, nn.Linear) and module.weight.device.type == "cpu"
+               and module.weight.dtype == torch.float32 and "forward" not in vars(module)]  # not patched already
+    plan = plan or decoding_plan(linears, threads)
     patched = []
-    for model in models:
-        for module in model.modules():
-            if (isinstance(module, nn.Linear) and threads > 1 and module.out_features % (4 * threads) == 0
-                    and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
-                    and "forward" not in vars(module)):  # not sliced already by an enclosing context
-                module.forward = _sliced_linear(module, threads)
+    if any(path != "plain" for path in plan.values()):
+        for module in linears:
+            if _sliceable(module, threads):
+                module.forward = _planned_linear(module, threads, plan)
                 patched.append(module)
     try:
         yield
@@ -69,26 +78,75 @@ def decoding_linears(*models: nn.Module):
             del module.forward  # back to nn.Linear.forward
 
 
-def _sliced_linear(linear: nn.Linear, threads: int):
-    """linear's forward as batched products over slices of its output rows (see decoding_linears)."""
+def decoding_plan(linears: list[nn.Linear], threads: int) -> dict[int, str]:
+    """{largest rows of a bucket: the path its products take} for these fp32 linears, measured the
+    first time a set of weight shapes is seen (~0.1-0.5 s) and kept for the process: each path
+    multiplies every weight in turn, so the timing sees the caches as decoding does."""
+    sliceable = [m for m in linears if _sliceable(m, threads)]
+    if threads < 2 or not sliceable:
+        return {rows: "plain" for rows, _ in _BUCKETS}
+    key = (tuple(sorted({tuple(m.weight.shape) for m in sliceable})), threads)
+    if key not in _PLANS:
+        _PLANS[key] = _measure_plan(sliceable, threads)
+    return _PLANS[key]
+
+
+def _sliceable(linear: nn.Linear, threads: int) -> bool:
+    return threads > 1 and linear.out_features % (4 * threads) == 0
+
+
+@torch.no_grad()
+def _measure_plan(linears: list[nn.Linear], threads: int, rounds: int = 5) -> dict[int, str]:
+    """The fastest path per bucket: `rounds` interleaved passes over the weights, the median pass."""
+    weights = list({id(m.weight): m.weight for m in linears}.values())
+    plan = {}
+    for rows, timed_rows in _BUCKETS:
+        inputs = {w.shape[1]: torch.randn(timed_rows, w.shape[1]) for w in weights}
+        times: dict[str, list[float]] = {path: [] for path in _PATHS}
+        for _ in range(rounds + 1):  # the first round warms up
+            for path, product in _PATHS.items():
+                t0 = time.perf_counter()
+                for w in weights:
+                    product(inputs[w.shape[1]], w, threads)
+                times[path].append(time.perf_counter() - t0)
+        plan[rows] = min(times, key=lambda path: sorted(times[path][1:])[rounds // 2])
+    return plan
+
+
+def _plain(x: Tensor, w: Tensor, threads: int) -> Tensor:
+    return nn.functional.linear(x, w)
+
+
+def _vector(x: Tensor, w: Tensor, threads: int) -> Tensor:
+    """x [rows, in] @ w^T as weight slices [slices, out / slices, in] times x^T -> [rows, out]."""
+    slices = w.view(4 * threads, -1, w.shape[1])
+    # x^T [slices, in, rows] as a transposed view: MKL's fast path (a copy with unit last stride is not)
+    columns = x.t().expand(len(slices), -1, -1)
+    # made row-major: a column-major output sends the next linear down MKL's slow path and
+    # attention down sdpa's math path
+    return torch.bmm(slices, columns).permute(2, 0, 1).contiguous().view(x.shape[0], -1)
+
+
+def _matrix(x: Tensor, w: Tensor, threads: int) -> Tensor:
+    """x [rows, in] @ w^T as x times weight slices^T [threads, in, out / threads] -> [rows, out]."""
+    slices = w.view(threads, -1, w.shape[1]).transpose(1, 2)
+    return torch.bmm(x[None].expand(threads, -1, -1), slices).transpose(0, 1).reshape(x.shape[0], -1)
+
+
+_PATHS = {"plain": _plain, "vector": _vector, "matrix": _matrix}
+
+
+def _planned_linear(linear: nn.Linear, threads: int, plan: dict[int, str]):
+    """linear's forward through the plan's path for its number of rows (see decoding_linears)."""
     w, b = linear.weight, linear.bias
-    vector_slices = w.view(4 * threads, -1, w.shape[1])  # [slices, out / slices, in]
-    matrix_slices = w.view(threads, -1, w.shape[1]).transpose(1, 2)  # [threads, in, out / threads]
+    by_rows = [_PATHS[plan[rows]] for rows, _ in _BUCKETS]
 
     def forward(x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > _FEW_ROWS or torch.is_grad_enabled():
             return nn.functional.linear(x, w, b)
-        if rows <= _VECTOR_ROWS:
-            # x^T [slices, in, rows] as a transposed view: MKL's fast path (a copy with unit last stride is not)
-            columns = x.reshape(rows, -1).t().expand(len(vector_slices), -1, -1)
-            # [rows, slices, out / slices], made row-major: a column-major output sends the next
-            # linear down MKL's slow path and attention down sdpa's math path
-            out = torch.bmm(vector_slices, columns).permute(2, 0, 1).contiguous()
-        else:
-            flat = x.reshape(1, rows, -1).expand(threads, -1, -1)  # [threads, rows, in]
-            out = torch.bmm(flat, matrix_slices).transpose(0, 1)  # [rows, threads, out / threads]
-        out = out.reshape(*x.shape[:-1], -1)
+        product = by_rows[0] if rows == 1 else by_rows[1] if rows <= _BUCKETS[1][0] else by_rows[2]
+        out = product(x.reshape(rows, -1), w, threads).reshape(*x.shape[:-1], -1)
         return out if b is None else out + b  # (baddbmm's broadcast bias is slower than this add)
 
     return forward

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from experiments.runtime import checkpoint
 from experiments.runtime.errors import TrainingError, UserError
-from experiments.runtime.throughput import matmul_peak_flops
+from experiments.runtime.throughput import device_name, matmul_peak_flops
 from experiments.tasks.task import Context, Member, Task
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class Loop:
             data=data.name,
             data_fingerprint=data.fingerprint,
             device=str(device),
+            processor=device_name(device),  # what the speed figures were measured on
             precision=backend.precision,
             flops_per_token=round(sum(self.flops.values())),
             matmul_peak_gflops=round(self.peak_flops / 1e9, 1),

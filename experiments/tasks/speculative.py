@@ -13,22 +13,24 @@ import torch.nn.functional as F
 from experiments.runtime.errors import UserError
 from experiments.tasks.lm import LanguageModelTask
 from experiments.tasks.task import Member
-from models.sampling import generate
+from models.sampling import decoding_linears, generate
 from models.speculative import speculative_generate
 from models.transformer import IGNORE
 
 
 def compare_decoding(target, draft, prompt, length: int, gamma: int, temperature: float, top_k: Optional[int],
                      seed: int = 0) -> dict:
-    """Plain against speculative decoding of prompt [batch, prime]: outputs and figures."""
+    """Plain against speculative decoding of prompt [batch, prime]: outputs and figures. Both
+    decode through the same linears plan, measured before either is timed."""
     device = prompt.device
-    t0 = time.perf_counter()
-    plain = generate(target, prompt, length, temperature, top_k, torch.Generator(device=device).manual_seed(seed))
-    plain_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    spec, stats = speculative_generate(target, draft, prompt, length, gamma, temperature, top_k,
-                                       torch.Generator(device=device).manual_seed(seed))
-    spec_s = time.perf_counter() - t0
+    with decoding_linears(target, draft):
+        t0 = time.perf_counter()
+        plain = generate(target, prompt, length, temperature, top_k, torch.Generator(device=device).manual_seed(seed))
+        plain_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        spec, stats = speculative_generate(target, draft, prompt, length, gamma, temperature, top_k,
+                                           torch.Generator(device=device).manual_seed(seed))
+        spec_s = time.perf_counter() - t0
     tokens = prompt.shape[0] * length
     return {
         "plain": plain,

@@ -1,12 +1,15 @@
-"""Decoding's sliced linears: the same results as nn.Linear for every input size, and nothing left
-behind on the modules afterwards."""
+"""Decoding's linears: every path gives nn.Linear's results for every input size, the plan picks
+the path measured fastest, and nothing is left behind on the modules afterwards."""
 
 import pytest
 import torch
 from torch import nn
 
 from models.lm import transformer_lm
-from models.sampling import decoding_linears, generate
+from models import sampling
+from models.sampling import decoding_linears, decoding_plan, generate
+
+PATHS = ("plain", "vector", "matrix")
 
 
 @pytest.fixture(autouse=True)
@@ -18,16 +21,21 @@ def two_threads():
     torch.set_num_threads(threads)
 
 
+def every_bucket(path):
+    return {rows: path for rows, _ in sampling._BUCKETS}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 6), (3, 1), (2, 5), (1, 40)], ids=str)
-def test_sliced_linear_equals_the_plain_product(shape, bias):
+def test_every_path_equals_the_plain_product(shape, bias, path):
     torch.manual_seed(0)
     linear = nn.Linear(48, 64, bias=bias)
     x = torch.randn(*shape, 48)
     with torch.no_grad():
         expected = linear(x)
-        with decoding_linears(linear):
-            assert "forward" in vars(linear)  # sliced inside the context
+        with decoding_linears(linear, plan=every_bucket(path)):
+            assert ("forward" in vars(linear)) == (path != "plain")  # an all-plain plan patches nothing
             out = linear(x)
     assert "forward" not in vars(linear)  # nn.Linear.forward again after it
     assert out.shape == expected.shape
@@ -35,9 +43,36 @@ def test_sliced_linear_equals_the_plain_product(shape, bias):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_the_plan_takes_the_path_measured_fastest_for_each_bucket(monkeypatch):
+    import time
+
+    def timed(seconds_by_rows):
+        def product(x, w, threads):
+            time.sleep(seconds_by_rows(x.shape[0]))
+            return torch.nn.functional.linear(x, w)
+        return product
+
+    # plain is fastest for one row, vector for a few, matrix for many
+    monkeypatch.setattr(sampling, "_PATHS", {
+        "plain": timed(lambda rows: 0.0 if rows == 1 else 0.02),
+        "vector": timed(lambda rows: 0.01 if rows == 1 else 0.0 if rows <= 4 else 0.02),
+        "matrix": timed(lambda rows: 0.01 if rows <= 4 else 0.0)})
+    monkeypatch.setattr(sampling, "_PLANS", {})
+    linears = [nn.Linear(16, 32)]
+    plan = decoding_plan(linears, 2)
+    assert plan == {1: "plain", 4: "vector", 16: "matrix"}
+    assert decoding_plan(linears, 2) is plan  # measured once per process for these shapes
+    assert decoding_plan(linears, 1) == every_bucket("plain")  # one thread: nothing to spread
+
+
+def test_a_measured_plan_names_a_path_for_every_bucket():
+    plan = decoding_plan([nn.Linear(64, 256), nn.Linear(256, 64)], 2)
+    assert set(plan) == {rows for rows, _ in sampling._BUCKETS} and set(plan.values()) <= set(PATHS)
+
+
 def test_nested_contexts_leave_the_outer_one_in_place():
     linear = nn.Linear(16, 32)
-    with decoding_linears(linear):
+    with decoding_linears(linear, plan=every_bucket("vector")):
         sliced = vars(linear)["forward"]
         with decoding_linears(linear):
             assert vars(linear)["forward"] is sliced
@@ -56,16 +91,18 @@ def test_sliced_linears_keep_autograd_and_the_weights():
     linear = nn.Linear(16, 32)
     x = torch.randn(1, 16, requires_grad=True)
     weight = linear.weight.detach().clone()
-    with decoding_linears(linear):
+    with decoding_linears(linear, plan=every_bucket("matrix")):
         linear(x).sum().backward()  # with gradients on, the plain product runs
     assert x.grad is not None and torch.equal(linear.weight, weight)
 
 
-def test_generate_with_sliced_linears_equals_module_by_module_decoding():
+@pytest.mark.parametrize("path", ["vector", "matrix", None])  # None: the plan measured here
+def test_generate_with_planned_linears_equals_module_by_module_decoding(path):
     torch.manual_seed(0)
     model = transformer_lm(num_tokens=64, dim=32, depth=2, heads=2, dim_head=16).eval()
     prompt = torch.randint(0, 64, (1, 12))
-    greedy = generate(model, prompt, 8, temperature=0.0)
+    with decoding_linears(model, plan=path and every_bucket(path)):  # generate's own context keeps this plan
+        greedy = generate(model, prompt, 8, temperature=0.0)
     cache, out = model.new_cache(), []
     with torch.no_grad():
         logits = model(prompt, cache=cache)[:, -1]
