@@ -158,6 +158,7 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
 
     from experiments.data.text import ByteText
     from experiments.runtime.throughput import median_seconds, peak_memory_mb, reset_peak_memory
+    from models.sampling import decoding_linears
 
     cfg, model, _ = build(model_name, context + steps + 2, threads, extra)
     if model_name.startswith("ref:"):
@@ -166,7 +167,7 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
     data = ByteText(seq_len=context, cache_dir=cfg.data.cache_dir)
     prompt = data.train_batch(batch, seed=0, step=0)[:, :context]
     reset_peak_memory(torch.device("cpu"))
-    with torch.no_grad(), autocast(precision):
+    with torch.no_grad(), autocast(precision), decoding_linears(model):  # as generate decodes
         cache = model.new_cache()
         t0 = time.perf_counter()
         token = model(prompt, cache=cache)[:, -1:].argmax(-1)
