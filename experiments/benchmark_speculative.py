@@ -62,12 +62,9 @@ def _plan(model, threads: int) -> str:
     """The paths decoding's linears took on this CPU, as a line."""
     from torch import nn
 
-    from models.sampling import _BUCKETS, decoding_plan
+    from models.sampling import decoding_plan, describe_plan
 
-    plan = decoding_plan([m for m in model.modules() if isinstance(m, nn.Linear)], threads) if threads > 1 else {}
-    names = {1: "1 row", _BUCKETS[1][0]: f"2-{_BUCKETS[1][0]} rows", _BUCKETS[2][0]:
-             f"{_BUCKETS[1][0] + 1}-{_BUCKETS[2][0]} rows"}
-    return ", ".join(f"{names[rows]} {path}" for rows, path in plan.items()) or "plain (one thread)"
+    return describe_plan(decoding_plan([m for m in model.modules() if isinstance(m, nn.Linear)], threads))
 
 
 def speculative(run: Path, gamma: int, length: int, primes: int, temperature: float, threads: int,

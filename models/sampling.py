@@ -91,6 +91,15 @@ def decoding_plan(linears: list[nn.Linear], threads: int) -> dict[int, str]:
     return _PLANS[key]
 
 
+def describe_plan(plan: dict[int, str]) -> str:
+    """A plan as a line: "1 row vector, 2-4 rows vector, 5-16 rows matrix"."""
+    low, names = 1, []
+    for rows, _ in _BUCKETS:
+        names.append(f"{low} row {plan[rows]}" if rows == 1 else f"{low}-{rows} rows {plan[rows]}")
+        low = rows + 1
+    return ", ".join(names)
+
+
 def _sliceable(linear: nn.Linear, threads: int) -> bool:
     return threads > 1 and linear.out_features % (4 * threads) == 0
 

@@ -58,10 +58,14 @@ class LanguageModelTask(Task):
         return batch[:, :-1], targets
 
     def loss(self, member: Member, batch):
+        return self.loss_and_logits(member, batch)[0], {}
+
+    def loss_and_logits(self, member: Member, batch):
+        """The next-token loss (plus the model's auxiliary loss) and the logits [batch, seq, vocab]."""
         inputs, targets = batch
         logits = member.trainee.forward(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
-        return loss + member.model.aux_loss(), {}
+        return loss + member.model.aux_loss(), logits
 
     def _truncated(self, targets: torch.Tensor, step: int, micro: int) -> torch.Tensor:
         """The seed's randomly_truncate_sequence: each row keeps a random length in [1, seq] and

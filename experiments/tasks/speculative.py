@@ -75,14 +75,12 @@ class SpeculativeTask(LanguageModelTask):
         recomputed."""
         if self.distill_weight == 0:
             return super().loss(member, batch)
-        inputs, targets = batch
-        logits = member.trainee.forward(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
-        loss = loss + member.model.aux_loss()
+        loss, logits = self.loss_and_logits(member, batch)
         if member is self.ctx.members[0]:
             self._target_logits = (batch, logits.detach())
             return loss, {}
-        kept, target_logits = self._target_logits if self._target_logits else (None, None)
+        inputs, targets = batch
+        kept, target_logits = self._target_logits or (None, None)
         if kept is not batch:  # not after the target's loss on this batch: compute its logits
             with torch.no_grad():
                 target_logits = self.ctx.members[0].model(inputs)

@@ -63,6 +63,7 @@ def test_the_plan_takes_the_path_measured_fastest_for_each_bucket(monkeypatch):
     assert plan == {1: "plain", 4: "vector", 16: "matrix"}
     assert decoding_plan(linears, 2) is plan  # measured once per process for these shapes
     assert decoding_plan(linears, 1) == every_bucket("plain")  # one thread: nothing to spread
+    assert sampling.describe_plan(plan) == "1 row plain, 2-4 rows vector, 5-16 rows matrix"
 
 
 def test_a_measured_plan_names_a_path_for_every_bucket():
