@@ -37,6 +37,7 @@ class Kernel(Enum):
     auto = "auto"
     torch = "torch"
     triton = "triton"
+    cpu = "cpu"
 
 
 class WandbMode(Enum):

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from kernels import at_least_fp32, triton_runnable
 from kernels.compressed_attention import block_selection, causal_block_attention, compressed_attention
 from kernels.selected_attention import selected_attention
+from kernels import span_attention as spans
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
 from models.rotary import Rotary
@@ -137,6 +138,9 @@ class NativeSparseAttention(nn.Module):
         scores, indices = self._selection(q, k_cmp)
         out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
                          context_fn=_keep_causal_attention)
+        if self._span_kernel(q):  # it keeps only q, k, v and the log-sum-exp already: nothing to recompute
+            out = out + self._selected_part(q, k_slc, v_slc, gates[1], scores, indices)
+            return out + self._window_part(q, k_win, v_win, gates[2])
         out = out + checkpoint(self._selected_part, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
         return out + checkpoint(self._window_part, q, k_win, v_win, gates[2], use_reentrant=False)
 
@@ -190,6 +194,13 @@ class NativeSparseAttention(nn.Module):
         free = max(0, min(self.num_selected - self._num_forced(), -(-seq_k // self.fine_block)))
         return lambda importance, first: self._choose(importance, first, free)
 
+    def _span_kernel(self, q: Tensor) -> bool:
+        """Whether the selected and window branches from position 0 run on the span-attention CPU
+        kernel (kernels/span_attention/): kernel auto or cpu, a CPU tensor it computes in fp32
+        without loss, and a kernel built for this CPU."""
+        return (self.kernel in ("auto", "cpu") and q.device.type == "cpu" and q.dtype in spans.KERNEL_DTYPES
+                and spans.available())
+
     # ---- selected branch -------------------------------------------------------------------------
 
     def _selected(self, q: Tensor, k: Tensor, v: Tensor, scores: Tensor, indices: Tensor, start: int) -> Tensor:
@@ -211,6 +222,15 @@ class NativeSparseAttention(nn.Module):
             indices = torch.cat((forced.expand(b, h, m, -1), indices), dim=-1)
             valid = torch.cat((forced_valid.expand(b, h, m, -1), valid), dim=-1)
             return _gathered_attention(q, k, v, indices, valid, start, self.fine_block)
+        if self._span_kernel(q):
+            forced, forced_valid = self._forced_indices(0, m, q.device)
+            blocks = torch.cat((forced.expand(b * h, m, -1), indices.flatten(0, 1)), dim=-1)
+            valid = torch.cat((forced_valid.expand(b * h, m, -1), valid.flatten(0, 1)), dim=-1)
+            if weights is not None:  # the forced blocks keep their whole share
+                weights = torch.cat((weights.new_ones(b, h, m, forced.shape[-1]), weights), dim=-1).flatten(0, 1)
+            out, _ = spans.span_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                          self._block_spans(blocks, valid), weights)
+            return out.view_as(q)
         sink = self.fine_block if self._num_forced() >= 2 else 0
         out_forced, lse_forced = tiled_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
                                                  self.fine_block, self._forced_visible, sink)
@@ -227,6 +247,14 @@ class NativeSparseAttention(nn.Module):
         lse = torch.logaddexp(lse_forced, lse_free)
         return (out_forced * (lse_forced - lse).exp()[..., None].to(q.dtype)
                 + out_free * (lse_free - lse).exp()[..., None].to(q.dtype))
+
+    def _block_spans(self, blocks: Tensor, valid: Tensor) -> Tensor:
+        """Fine blocks [..., m, slots] of the queries from position 0 -> their key spans [..., m, slots, 2]
+        (start, end), cut after the query; an invalid slot gets an empty span."""
+        start = blocks * self.fine_block
+        query_end = torch.arange(1, blocks.shape[-2] + 1, device=blocks.device)[:, None]
+        end = torch.minimum(start + self.fine_block, query_end).masked_fill(~valid, 0)
+        return torch.stack((start.masked_fill(~valid, 0), end), dim=-1)
 
     def _num_forced(self) -> int:
         return min(3, self.num_selected)
@@ -277,6 +305,11 @@ class NativeSparseAttention(nn.Module):
         b, h, g, m, d = q.shape
         w = self.window
         dropout = self.dropout if self.training else 0.0
+        if start == 0 and dropout == 0.0 and self._span_kernel(q):
+            i = torch.arange(m, device=q.device)
+            window = torch.stack(((i - w + 1).clamp(min=0), i + 1), dim=-1)[:, None]  # [m, 1, 2]
+            out, _ = spans.span_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), window)
+            return out.view_as(q)
         if start == 0:  # training: tiles of w queries see their tile and the previous one, fused
             pad = (-m) % w
             tiles = (m + pad) // w
@@ -358,6 +391,9 @@ def _check(heads, kv_heads, window, block, stride, fine_block, num_selected, ker
     if stride > block:
         raise ValueError(f"compress_stride={stride} exceeds compress_block_size={block}, so tokens between "
                          "blocks would never be compressed: lower model.compress_stride")
+    if kernel == "cpu" and not spans.available():
+        raise ValueError("kernel=cpu needs a working C compiler (cc or $CC) to build the span-attention kernel: "
+                         "install gcc, or use model.kernel=auto or torch")
     if kernel == "triton" and not triton_runnable():
         raise ValueError("kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 to run the kernel slowly "
                          "on the CPU): use model.kernel=auto or torch")

@@ -6,10 +6,14 @@ import torch.nn.functional as F
 
 from kernels.compressed_attention import compressed_attention
 from kernels.compressed_attention.naive import compressed_attention as naive
+from kernels import span_attention
 from models.attention.nsa import NativeSparseAttention
 from tests.helpers.attention_checks import assert_truncated_cache_forgets
 from models.lm import nsa_lm
 
+# the selected and window branches from position 0: plain PyTorch, and the span-attention CPU kernel
+KERNELS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not span_attention.available(),
+                                                                 reason="no C compiler for the CPU kernel"))]
 KNOBS = dict(kv_heads=2, sliding_window_size=8, compress_block_size=4, compress_stride=2, fine_block_size=4,
              num_fine_selected=3)
 
@@ -48,13 +52,15 @@ def test_causal_by_gradient(t):
     assert grad[0, : t + 1].abs().max() > 0
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("n", [4, 37, 64])
-def test_all_blocks_selected_equals_dense_causal_attention(n):
+def test_all_blocks_selected_equals_dense_causal_attention(n, kernel):
     """With every block selected, the selected branch is dense causal attention; so is a window
     as long as the sequence."""
     d = 8
     attn = NativeSparseAttention(dim=16, heads=4, dim_head=d, kv_heads=2, sliding_window_size=n,
-                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=16)
+                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=16,
+                                 kernel=kernel)
     q = torch.randn(2, 2, 2, n, d)  # [batch, kv_heads, group, seq, dim_head]
     k, v = torch.randn(2, 2, n, d), torch.randn(2, 2, n, d)
     importance = torch.rand(4, n, -(-n // 4))  # [batch * kv_heads, seq, fine blocks]
@@ -64,13 +70,15 @@ def test_all_blocks_selected_equals_dense_causal_attention(n):
     torch.testing.assert_close(attn._window(q, k, v, 0), dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("selected", [1, 2, 3, 5])
-def test_selected_branch_equals_masked_attention_over_the_chosen_blocks(selected):
+def test_selected_branch_equals_masked_attention_over_the_chosen_blocks(selected, kernel):
     """The tiled forced blocks merged with the gathered free blocks equal one softmax over the
     union of the blocks, for every priority cut-off."""
     n, d, l = 29, 8, 4
     attn = NativeSparseAttention(dim=16, heads=2, dim_head=d, kv_heads=1, sliding_window_size=4,
-                                 compress_block_size=4, compress_stride=2, fine_block_size=l, num_fine_selected=selected)
+                                 compress_block_size=4, compress_stride=2, fine_block_size=l, num_fine_selected=selected,
+                                 kernel=kernel)
     q, k, v = torch.randn(1, 1, 2, n, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
     importance = torch.rand(1, n, -(-n // l))
     positions = torch.arange(n)
@@ -87,15 +95,44 @@ def test_selected_branch_equals_masked_attention_over_the_chosen_blocks(selected
     assert (blocks_per_query[-1] == min(selected, -(-n // l)))
 
 
-def test_window_sees_exactly_the_last_w_tokens():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_window_sees_exactly_the_last_w_tokens(kernel):
     attn = NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=5,
-                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=2)
+                                 compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=2,
+                                 kernel=kernel)
     n = 23
     q, k, v = torch.randn(1, 1, 2, n, 8), torch.randn(1, 1, n, 8), torch.randn(1, 1, n, 8)
     i, j = torch.arange(n)[:, None], torch.arange(n)[None]
     mask = (j <= i) & (j > i - 5)
     expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=mask)
     torch.testing.assert_close(attn._window(q, k, v, 0), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not span_attention.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("diff_topk", [False, True])
+@pytest.mark.parametrize("n", [23, 64, 77])
+def test_cpu_kernel_trains_as_the_torch_path(n, diff_topk):
+    """A training forward and backward with the span-attention CPU kernel gives the outputs and
+    gradients of the PyTorch path, at lengths off every block size."""
+    knobs = dict(dim=32, heads=4, dim_head=16, kv_heads=2, sliding_window_size=8, compress_block_size=8,
+                 compress_stride=4, fine_block_size=8, num_fine_selected=4, diff_topk=diff_topk)
+    torch.manual_seed(0)
+    reference = NativeSparseAttention(**knobs, kernel="torch")
+    fast = NativeSparseAttention(**knobs, kernel="cpu")
+    fast.load_state_dict(reference.state_dict())
+    x = torch.randn(2, n, 32, requires_grad=True)
+    results = []
+    for attn in (reference, fast):
+        out = attn(x)
+        results.append((out, *torch.autograd.grad(out.square().sum(), [x, *attn.parameters()])))
+    for expected, got in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_kernel_without_a_compiler_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(span_attention, "available", lambda: False)
+    with pytest.raises(ValueError, match="kernel=cpu needs a working C compiler"):
+        tiny_nsa(kernel="cpu")
 
 
 def test_selection_forces_own_initial_and_previous_blocks():

@@ -1,0 +1,97 @@
+"""The span-attention CPU kernel against its definition (naive.py): values, log-sum-exps and
+gradients, with shared and per-row spans, slot weights, empty rows and lengths off the tile size."""
+
+import pytest
+import torch
+
+from kernels.span_attention import available, span_attention
+from kernels.span_attention.naive import naive_span_attention
+
+pytestmark = pytest.mark.skipif(not available(), reason="no C compiler to build the span-attention kernel")
+
+
+def window_and_blocks(m: int, window: int, block: int) -> torch.Tensor:
+    """[m, 3, 2] disjoint spans per query: its window, the initial block and the block of key 8 on,
+    each cut where the window begins (so nothing overlaps)."""
+    i = torch.arange(m)
+    begin = (i - window + 1).clamp(min=0)
+    return torch.stack([
+        torch.stack([begin, i + 1], -1),
+        torch.stack([torch.zeros_like(i), begin.clamp(max=block)], -1),
+        torch.stack([torch.full_like(i, 2 * block), begin.clamp(max=3 * block)], -1),
+    ], dim=-2)
+
+
+def inputs(bh=3, g=2, m=45, d=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((bh, g, m, d), (bh, m, d), (bh, m, d)))
+    return q, k, v
+
+
+def check(q, k, v, spans, weights=None):
+    """The kernel (fp32) against the definition (fp64): out, lse and every gradient."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if weights is None else [weights.clone().requires_grad_()])
+    ref_out, ref_lse = naive_span_attention(*leaves[:3], spans, *leaves[3:])
+    out, lse = span_attention(*(t.float() for t in leaves[:3]), spans, *(t.float() for t in leaves[3:]))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-5)
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    finite = ref_lse.isfinite()
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=2e-5, rtol=1e-5)
+    gen = torch.Generator().manual_seed(1)
+    dout, dlse = torch.randn(out.shape, generator=gen, dtype=torch.float64), torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad((ref_out * dout).sum() + (ref_lse.masked_fill(~finite, 0) * dlse).sum(), leaves)
+    got = torch.autograd.grad((out.double() * dout).sum() + (lse.double().masked_fill(~finite, 0) * dlse).sum(), leaves)
+    for e, a in zip(expected, got):
+        torch.testing.assert_close(a.double(), e, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d", [24, 64])  # 64: the width the kernel unrolls
+@pytest.mark.parametrize("m", [1, 16, 45, 70])
+def test_shared_spans_match_the_definition(m, d):
+    q, k, v = inputs(m=m, d=d)
+    check(q, k, v, window_and_blocks(m, window=7, block=4))
+
+
+def test_per_row_spans_with_empty_rows_and_slots():
+    q, k, v = inputs(bh=2, m=37)
+    spans = window_and_blocks(37, window=5, block=3).expand(2, 37, 3, 2).clone()
+    spans[0, 4] = 0  # a query that sees nothing: zeros and -inf
+    spans[1, 20, 0] = torch.tensor([30, 10])  # an unused slot (end before start)
+    out, lse = span_attention(q.float(), k.float(), v.float(), spans)
+    assert out[0, :, 4].abs().max() == 0 and lse[0, :, 4].eq(float("-inf")).all()
+    check(q, k, v, spans)
+
+
+@pytest.mark.parametrize("d", [24, 64])
+def test_slot_weights_scale_each_share_and_get_their_gradient(d):
+    q, k, v = inputs(bh=2, m=40, d=d)
+    spans = window_and_blocks(40, window=6, block=4).expand(2, 40, 3, 2)
+    weights = torch.rand(2, 40, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) + 0.5
+    check(q, k, v, spans, weights)
+
+
+def test_half_precision_inputs_come_back_in_their_dtype():
+    q, k, v = inputs(m=20)
+    spans = window_and_blocks(20, window=4, block=2)
+    out, lse = span_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), spans)
+    ref, _ = naive_span_attention(q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double(), spans)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    q, k, v = inputs(bh=1, m=64)
+    spans = window_and_blocks(64, window=9, block=4)
+    results = []
+    for threads in (1, 3):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            leaves = [t.float().requires_grad_() for t in (q, k, v)]
+            out, lse = span_attention(*leaves, spans)
+            results.append((out, *torch.autograd.grad(out.square().sum() + lse.sum(), leaves)))
+        finally:
+            torch.set_num_threads(before)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
