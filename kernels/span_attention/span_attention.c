@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TILE 16    /* keys per transposed tile: one AVX-512 register of fp32 */
+#define TILE 16    /* keys per transposed tile: one AVX-512 register of fp32, two AVX2 ones */
 #define MAX_DIM 256 /* widest head kept in registers */
 
 /* TILE floats, loaded and stored unaligned; the compiler maps it onto this CPU's vector registers */
@@ -44,20 +44,13 @@ typedef struct {
     int failed;
 } Work;
 
-static inline float dot(const float *a, const float *b, int64_t d) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t e = 0; e < d; e++) acc += a[e] * b[e];
-    return acc;
-}
-
 static inline __attribute__((always_inline)) void axpy(float *y, float a, const float *x, int64_t d) {
 #pragma omp simd
     for (int64_t e = 0; e < d; e++) y[e] += a * x[e];
 }
 
 /* exp(x) for x <= 0 (scores less their maximum or log-sum-exp) in a form that vectorizes: x = k ln2
- * + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor-like minimax polynomial (Cephes' coefficients,
+ * + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes' expf coefficients,
  * ~1 ulp), 2^k by the exponent bits; 0 below fp32's normal range. */
 static inline float exp_nonpositive(float x) {
     const float k = rintf(x * 1.44269504f);

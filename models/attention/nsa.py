@@ -21,7 +21,10 @@ Cost per query: n / d compressed keys, n selected blocks and w window keys; noth
 with the sequence. In training the compressed branch and the window are fused attention, the
 forced blocks run as tiled attention over [initial | previous | own] tiles
 (models/attention/tiled.py), the freely chosen blocks are gathered (kernels/selected_attention/),
-and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. Decoding
+and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the CPU, the
+selected blocks and the window are instead spans of keys for one C kernel (kernels/span_attention/,
+kernel auto or cpu) that reads each query's keys where they lie and keeps only q, k, v and the
+log-sum-exp for its backward. Decoding
 (queries after a cache) gathers each query's selected blocks directly: a step reads the
 compressed keys, n blocks and the window, never the whole cache.
 
@@ -139,8 +142,11 @@ class NativeSparseAttention(nn.Module):
         out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
                          context_fn=_keep_causal_attention)
         if self._span_kernel(q):  # it keeps only q, k, v and the log-sum-exp already: nothing to recompute
-            out = out + self._selected_part(q, k_slc, v_slc, gates[1], scores, indices)
-            return out + self._window_part(q, k_win, v_win, gates[2])
+            b, h, _, m, _ = q.shape
+            q_rot, k_slc, k_win = self.rotary(q.flatten(1, 2)).view_as(q), self.rotary(k_slc), self.rotary(k_win)
+            out_slc = self._selected(q_rot, k_slc, v_slc, scores.view(b, h, m, -1), indices.view(b, h, m, -1), 0)
+            gates = torch.sigmoid(gates[1:])
+            return out + gates[0] * out_slc + gates[1] * self._window(q_rot, k_win, v_win, 0)
         out = out + checkpoint(self._selected_part, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
         return out + checkpoint(self._window_part, q, k_win, v_win, gates[2], use_reentrant=False)
 
