@@ -71,11 +71,11 @@ class _SpanAttention(torch.autograd.Function):
         weights = None if weights is None else weights.contiguous()
         bh, g, m, d = q.shape
         out, lse = torch.empty_like(q), q.new_empty(bh, g, m)
-        shape = _shape(q, k, spans)
-        k_t = _tiles(k)
+        ctx.shape = _shape(q, k, spans)
+        k_t = _tiles(k)  # held here: a pointer does not keep its tensor alive
         status = _library().span_attention_forward(
-            _pointer(q), _pointer(k_t), _pointer(v), _pointer(spans), _pointer(weights), _pointer(out), _pointer(lse),
-            *shape, ctypes.c_float(d**-0.5), torch.get_num_threads())
+            _pointer(q), _pointer(k_t), _pointer(v), _pointer(spans), _pointer(weights), _pointer(out),
+            _pointer(lse), *ctx.shape, ctypes.c_float(d**-0.5), torch.get_num_threads())
         if status:
             raise MemoryError("span attention: a thread could not allocate its scores")
         ctx.save_for_backward(q, k, v, spans, weights, lse)
@@ -84,7 +84,7 @@ class _SpanAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, spans, weights, lse = ctx.saved_tensors
-        bh, g, m, d = q.shape
+        d = q.shape[-1]
         threads = torch.get_num_threads()
         dout = dout.float().contiguous()
         dlse = None if dlse is None else dlse.float().contiguous()
@@ -93,9 +93,9 @@ class _SpanAttention(torch.autograd.Function):
         dweights = None if weights is None else torch.zeros_like(weights)
         k_t, v_t = _tiles(k), _tiles(v)
         status = _library().span_attention_backward(
-            _pointer(q), _pointer(k), _pointer(k_t), _pointer(v_t), _pointer(spans), _pointer(weights), _pointer(lse), _pointer(dout),
-            _pointer(dlse), _pointer(dq), _pointer(dk), _pointer(dv), _pointer(dweights), *_shape(q, k, spans),
-            ctypes.c_float(d**-0.5), threads)
+            _pointer(q), _pointer(k), _pointer(k_t), _pointer(v_t), _pointer(spans), _pointer(weights),
+            _pointer(lse), _pointer(dout), _pointer(dlse), _pointer(dq), _pointer(dk), _pointer(dv), _pointer(dweights),
+            *ctx.shape, ctypes.c_float(d**-0.5), threads)
         if status:
             raise MemoryError("span attention: a thread could not allocate its probabilities")
         return dq, dk.sum(0), dv.sum(0), None, dweights

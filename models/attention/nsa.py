@@ -24,9 +24,8 @@ forced blocks run as tiled attention over [initial | previous | own] tiles
 and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the CPU, the
 selected blocks and the window are instead spans of keys for one C kernel (kernels/span_attention/,
 kernel auto or cpu) that reads each query's keys where they lie and keeps only q, k, v and the
-log-sum-exp for its backward. Decoding
-(queries after a cache) gathers each query's selected blocks directly: a step reads the
-compressed keys, n blocks and the window, never the whole cache.
+log-sum-exp for its backward. Decoding (queries after a cache) gathers each query's selected
+blocks directly: a step reads the compressed keys, n blocks and the window, never the whole cache.
 
 Each branch has its own keys and values (as the paper: no gradient shortcuts between branches);
 the query projection is shared. Rotary positions apply to the selected and window branches; the
@@ -43,9 +42,9 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kernels import at_least_fp32, triton_runnable
+from kernels import span_attention as spans
 from kernels.compressed_attention import block_selection, causal_block_attention, compressed_attention
 from kernels.selected_attention import selected_attention
-from kernels import span_attention as spans
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
 from models.rotary import Rotary
@@ -143,7 +142,7 @@ class NativeSparseAttention(nn.Module):
                          context_fn=_keep_causal_attention)
         if self._span_kernel(q):  # it keeps only q, k, v and the log-sum-exp already: nothing to recompute
             b, h, _, m, _ = q.shape
-            q_rot, k_slc, k_win = self.rotary(q.flatten(1, 2)).view_as(q), self.rotary(k_slc), self.rotary(k_win)
+            q_rot, k_slc, k_win = self._rotate(q, k_slc, k_win, 0)
             out_slc = self._selected(q_rot, k_slc, v_slc, scores.view(b, h, m, -1), indices.view(b, h, m, -1), 0)
             gates = torch.sigmoid(gates[1:])
             return out + gates[0] * out_slc + gates[1] * self._window(q_rot, k_win, v_win, 0)
@@ -173,8 +172,7 @@ class NativeSparseAttention(nn.Module):
         b, h, g, m, d = q.shape
         start = 0 if cache is None else cache.get("pos", 0)
         k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
-        q_rot = self.rotary(q.flatten(1, 2), start).view_as(q)
-        k_slc, k_win = self.rotary(torch.stack((k_slc, k_win)), start)
+        q_rot, k_slc, k_win = self._rotate(q, k_slc, k_win, start)
         if cache is not None:
             k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc = self._extend_cache(
                 cache, start, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
@@ -187,6 +185,12 @@ class NativeSparseAttention(nn.Module):
         out_win = self._window(q_rot, k_win, v_win, start)
         gates = torch.sigmoid(gates)
         return gates[0] * out_cmp.view_as(q) + gates[1] * out_slc + gates[2] * out_win
+
+    def _rotate(self, q: Tensor, k_slc: Tensor, k_win: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotary positions from `start` for the branches that use them (selected, window):
+        q [b, h, g, n, d], keys [b, h, n, d] -> the same, rotated."""
+        k_slc, k_win = self.rotary(torch.stack((k_slc, k_win)), start)
+        return self.rotary(q.flatten(1, 2), start).view_as(q), k_slc, k_win
 
     @torch.no_grad()
     def _selection(self, q: Tensor, k_cmp: Tensor) -> tuple[Tensor, Tensor]:
