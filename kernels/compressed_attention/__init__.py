@@ -21,13 +21,20 @@ Spreading onto fine blocks is a banded sum, not a [compressed, fine] product: to
 segments of u = gcd(block, stride, fine_block) tokens; compressed block i spreads its probability
 evenly over its block / u segments, and a fine block sums its fine_block / u segments. That is the
 token-overlap fraction exactly, in O(blocks * block / u) per query.
+
+On the CPU, `cpu_block_selection` does a training step's selection in C (selection.c, compiled
+on first use by kernels/native.py): one pass per query from its scores to its chosen blocks.
 """
 
-from typing import Callable
+import ctypes
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kernels.native import load, pointer, transposed_tiles
 
 from kernels.compressed_attention.reference import CompressedAttention, Layout, select
 
@@ -82,3 +89,40 @@ def causal_block_attention(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride
     return F.pad(out, (0, 0, first, 0))
 
 
+
+
+def cpu_selection_available() -> bool:
+    """Whether cpu_block_selection's C kernel is built (or can be built) here."""
+    return _library() is not None
+
+
+def cpu_block_selection(q: Tensor, kc: Tensor, block: int, stride: int, fine_block: int, forced: int, free: int
+                        ) -> tuple[Tensor, Tensor]:
+    """The `free` most important fine blocks of each query from position 0, on the CPU kernel, in fp32.
+
+    q        [batch_kv, group, seq_q, dim_head]
+    kc       [batch_kv, blocks, dim_head]  compressed keys, blocks from 0
+    forced   how many of (own block, initial block, previous block), in that priority, are always
+             attended and so never chosen here
+    returns  scores, indices [batch_kv, seq_q, free]: importance (as compressed_attention's, summed
+             over the group) and fine-block index, most important first, ties to the earlier block;
+             score -inf (index 0) where no block is left for a slot
+    """
+    library = _library()
+    if library is None:
+        raise RuntimeError("the block-selection CPU kernel could not be built here (no working C compiler)")
+    bh, g, m, d = q.shape
+    q = q.detach().float().contiguous()
+    kc_t = transposed_tiles(kc.detach().float())  # held here: a pointer does not keep its tensor alive
+    scores = q.new_empty(bh, m, free)
+    indices = torch.empty(bh, m, free, dtype=torch.int64)
+    status = library.block_selection(pointer(q), pointer(kc_t), pointer(scores), pointer(indices), bh, g, m, d,
+                                     kc.shape[1], block, stride, fine_block, forced, free,
+                                     ctypes.c_float(d**-0.5), torch.get_num_threads())
+    if status:
+        raise MemoryError("block selection: a thread could not allocate its scores")
+    return scores, indices
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    return load(Path(__file__).with_name("selection.c"), (("block_selection", 4, 10),))

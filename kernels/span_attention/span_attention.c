@@ -16,17 +16,7 @@
  *   weights       [bh, m, S]       slot s's share of the output is scaled by weights[s]; NULL: 1
  */
 
-#include <math.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define TILE 16    /* keys per transposed tile: one AVX-512 register of fp32, two AVX2 ones */
-#define MAX_DIM 256 /* widest head kept in registers */
-
-/* TILE floats, loaded and stored unaligned; the compiler maps it onto this CPU's vector registers */
-typedef float vec __attribute__((vector_size(4 * TILE), aligned(4)));
+#include "native.h"
 
 typedef struct {
     const float *q, *k, *v, *k_t, *v_t, *weights, *dout, *dlse;
@@ -37,33 +27,9 @@ typedef struct {
     float scale;
 } Problem;
 
-typedef struct {
-    const Problem *p;
-    int64_t first, last; /* rows first..last-1 */
-    int thread;
-    int failed;
-} Work;
-
-static inline __attribute__((always_inline)) void axpy(float *y, float a, const float *x, int64_t d) {
+INLINE void axpy(float *y, float a, const float *x, int64_t d) {
 #pragma omp simd
     for (int64_t e = 0; e < d; e++) y[e] += a * x[e];
-}
-
-/* exp(x) for x <= 0 (scores less their maximum or log-sum-exp) in a form that vectorizes: x = k ln2
- * + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes' expf coefficients,
- * ~1 ulp), 2^k by the exponent bits; 0 below fp32's normal range. */
-static inline float exp_nonpositive(float x) {
-    const float k = rintf(x * 1.44269504f);
-    const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
-    float poly = 1.9875691500e-4f;
-    poly = poly * r + 1.3981999507e-3f;
-    poly = poly * r + 8.3334519073e-3f;
-    poly = poly * r + 4.1665795894e-2f;
-    poly = poly * r + 1.6666665459e-1f;
-    poly = poly * r + 5.0000001201e-1f;
-    const float er = poly * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
-    return x < -87.0f ? 0.0f : er * scale.f;
 }
 
 static inline float slot_weight(const Problem *p, int64_t row, int64_t s) {
@@ -74,38 +40,10 @@ static inline const int32_t *row_spans(const Problem *p, int64_t b, int64_t i) {
     return p->spans + ((p->spans_shared ? 0 : b * p->m) + i) * p->S * 2;
 }
 
-/* scores[0..hi-lo) = scale * (q . key j) for keys lo..hi-1, from the keys in tiles of TILE keys
- * transposed ([n / TILE, d, TILE]): a tile's TILE scores accumulate in vector registers along d
- * (four partial sums, so the multiply-adds do not wait on each other), and every tile is one
- * contiguous run of memory (a plain transpose, [d, n], would put a span's d rows n floats apart, on
- * the same few cache sets). */
-static inline __attribute__((always_inline)) void span_scores(float *scores, const float *q, const float *tiles, int64_t d, int64_t lo,
-                               int64_t hi, float scale) {
-    for (int64_t t0 = lo - lo % TILE; t0 < hi; t0 += TILE) {
-        const float *tile = tiles + t0 * d;
-        float acc[4][TILE] = {{0.0f}};
-        int64_t e = 0;
-        for (; e + 4 <= d; e += 4) {
-            for (int u = 0; u < 4; u++) {
-                const float qe = q[e + u];
-#pragma omp simd
-                for (int l = 0; l < TILE; l++) acc[u][l] += qe * tile[(e + u) * TILE + l];
-            }
-        }
-        for (; e < d; e++) {
-#pragma omp simd
-            for (int l = 0; l < TILE; l++) acc[0][l] += q[e] * tile[e * TILE + l];
-        }
-        const int64_t first = t0 < lo ? lo - t0 : 0, last = t0 + TILE > hi ? hi - t0 : TILE;
-        for (int64_t l = first; l < last; l++)
-            scores[t0 + l - lo] = scale * ((acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]));
-    }
-}
-
 /* out[0..d) = sum over the spans' keys j (in order, c counting them) of coef[c] * rows[j]: the sum
  * stays in vector registers (when d is a constant multiple of TILE after inlining) instead of
  * going through memory once per key. */
-static inline __attribute__((always_inline)) void weighted_rows(float *out, const float *coef, const int32_t *span,
+INLINE void weighted_rows(float *out, const float *coef, const int32_t *span,
                                                                 int64_t S, const float *rows, int64_t d) {
     if (d % TILE || d > MAX_DIM) { /* any other width: plain multiply-adds */
         memset(out, 0, d * sizeof(float));
@@ -127,19 +65,19 @@ static inline __attribute__((always_inline)) void weighted_rows(float *out, cons
 }
 
 /* Scores of one query head over its spans, into scores[0..count); returns count. */
-static inline __attribute__((always_inline)) int64_t head_scores(const Problem *p, const int32_t *span, const float *q,
+INLINE int64_t head_scores(const Problem *p, const int32_t *span, const float *q,
                                                                  const float *keys_t, float *scores, const int64_t d) {
     int64_t count = 0;
     for (int64_t s = 0; s < p->S; s++) {
         const int64_t lo = span[2 * s], hi = span[2 * s + 1];
         if (hi <= lo) continue;
-        span_scores(scores + count, q, keys_t, d, lo, hi, p->scale);
+        tile_scores(scores + count, q, keys_t, d, lo, hi, p->scale);
         count += hi - lo;
     }
     return count;
 }
 
-static inline __attribute__((always_inline)) void forward_row_of(const Problem *p, int64_t b, int64_t i, float *scores,
+INLINE void forward_row_of(const Problem *p, int64_t b, int64_t i, float *scores,
                                                                   const int64_t d) {
     const int64_t g = p->g, m = p->m, row = b * m + i;
     const int32_t *span = row_spans(p, b, i);
@@ -171,7 +109,7 @@ static inline __attribute__((always_inline)) void forward_row_of(const Problem *
     }
 }
 
-static inline __attribute__((always_inline)) void backward_row_of(const Problem *p, int64_t b, int64_t i, int thread,
+INLINE void backward_row_of(const Problem *p, int64_t b, int64_t i, int thread,
                                                                    float *probs, float *dprobs, const int64_t d) {
     const int64_t g = p->g, m = p->m, n = p->n, row = b * m + i;
     const int32_t *span = row_spans(p, b, i);
@@ -194,7 +132,7 @@ static inline __attribute__((always_inline)) void backward_row_of(const Problem 
         for (int64_t s = 0; s < p->S; s++) {
             const int64_t lo = span[2 * s], hi = span[2 * s + 1];
             if (hi <= lo) continue;
-            span_scores(dprobs + c, dout, values_t, d, lo, hi, 1.0f);
+            tile_scores(dprobs + c, dout, values_t, d, lo, hi, 1.0f);
             c += hi - lo;
         }
         /* dS = P * (dP' - sum(P * dP') + dlse), dP' = w * dP: the slot weights scale each share */
@@ -237,66 +175,44 @@ static void backward_row(const Problem *p, int64_t b, int64_t i, int thread, flo
 
 static void *forward_work(void *arg) {
     Work *work = arg;
-    const Problem *p = work->p;
+    const Problem *p = work->problem;
     float *scores = malloc((size_t)(p->max_keys + 1) * sizeof(float));
     if (!scores) { work->failed = 1; return NULL; }
-    for (int64_t r = work->first; r < work->last; r++) forward_row(p, r / p->m, r % p->m, scores);
+    for (int64_t r = work->first; r < work->last; r += work->step) forward_row(p, r / p->m, r % p->m, scores);
     free(scores);
     return NULL;
 }
 
 static void *backward_work(void *arg) {
     Work *work = arg;
-    const Problem *p = work->p;
+    const Problem *p = work->problem;
     float *buffer = malloc((size_t)(2 * p->max_keys + 2) * sizeof(float));
     if (!buffer) { work->failed = 1; return NULL; }
-    for (int64_t r = work->first; r < work->last; r++)
+    for (int64_t r = work->first; r < work->last; r += work->step)
         backward_row(p, r / p->m, r % p->m, work->thread, buffer, buffer + p->max_keys + 1);
     free(buffer);
     return NULL;
 }
 
-/* Runs `body` over all rows on `threads` threads (the caller's among them); 0 on success. */
-static int run(const Problem *p, int threads, void *(*body)(void *)) {
-    const int64_t rows = p->bh * p->m;
-    if (threads < 1) threads = 1;
-    if (threads > 256) threads = 256;
-    Work work[256];
-    pthread_t ids[256];
-    int started[256] = {0};
-    for (int t = 0; t < threads; t++) {
-        work[t] = (Work){p, rows * t / threads, rows * (t + 1) / threads, t, 0};
-        if (t > 0) started[t] = pthread_create(&ids[t], NULL, body, &work[t]) == 0;
-    }
-    body(&work[0]);
-    int failed = work[0].failed;
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else body(&work[t]); /* no thread to be had: the caller does that share too */
-        failed |= work[t].failed;
-    }
-    return failed;
-}
-
 int span_attention_forward(const float *q, const float *k_t, const float *v, const int32_t *spans,
                            const float *weights, float *out, float *lse, int64_t bh, int64_t g, int64_t m,
-                           int64_t d, int64_t n, int64_t S, int64_t max_keys, int spans_shared, float scale,
+                           int64_t d, int64_t n, int64_t S, int64_t max_keys, int64_t spans_shared, float scale,
                            int threads) {
     Problem p = {.q = q, .k_t = k_t, .v = v, .weights = weights, .spans = spans, .out = out, .lse = lse,
                  .bh = bh, .g = g, .m = m, .d = d, .n = n, .n_tiled = (n + TILE - 1) / TILE * TILE, .S = S, .max_keys = max_keys,
                  .spans_shared = spans_shared, .scale = scale};
-    return run(&p, threads, forward_work);
+    return run_rows(&p, bh * m, threads, 0, forward_work);
 }
 
 int span_attention_backward(const float *q, const float *k, const float *k_t, const float *v_t,
                             const int32_t *spans,
                             const float *weights, const float *lse, const float *dout, const float *dlse,
                             float *dq, float *dk, float *dv, float *dweights, int64_t bh, int64_t g, int64_t m,
-                            int64_t d, int64_t n, int64_t S, int64_t max_keys, int spans_shared, float scale,
+                            int64_t d, int64_t n, int64_t S, int64_t max_keys, int64_t spans_shared, float scale,
                             int threads) {
     Problem p = {.q = q, .k = k, .k_t = k_t, .v_t = v_t, .weights = weights, .spans = spans, .lse = (float *)lse,
                  .dout = dout, .dlse = dlse, .dq = dq, .dk = dk, .dv = dv, .dweights = dweights,
                  .bh = bh, .g = g, .m = m, .d = d, .n = n, .n_tiled = (n + TILE - 1) / TILE * TILE, .S = S, .max_keys = max_keys,
                  .spans_shared = spans_shared, .scale = scale};
-    return run(&p, threads, backward_work);
+    return run_rows(&p, bh * m, threads, 0, backward_work);
 }

@@ -21,10 +21,11 @@ Cost per query: n / d compressed keys, n selected blocks and w window keys; noth
 with the sequence. In training the compressed branch and the window are fused attention, the
 forced blocks run as tiled attention over [initial | previous | own] tiles
 (models/attention/tiled.py), the freely chosen blocks are gathered (kernels/selected_attention/),
-and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the CPU, the
-selected blocks and the window are instead spans of keys for one C kernel (kernels/span_attention/,
-kernel auto or cpu) that reads each query's keys where they lie and keeps only q, k, v and the
-log-sum-exp for its backward. Decoding (queries after a cache) gathers each query's selected
+and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the CPU (kernel auto
+or cpu), C kernels take over: block selection is one pass per query from its compressed scores to
+its chosen blocks (kernels/compressed_attention/selection.c), and the selected blocks and the
+window are spans of keys for one kernel (kernels/span_attention/) that reads each query's keys where
+they lie and keeps only q, k, v and the log-sum-exp for its backward. Decoding (queries after a cache) gathers each query's selected
 blocks directly: a step reads the compressed keys, n blocks and the window, never the whole cache.
 
 Each branch has its own keys and values (as the paper: no gradient shortcuts between branches);
@@ -43,7 +44,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from kernels import at_least_fp32, triton_runnable
 from kernels import span_attention as spans
-from kernels.compressed_attention import block_selection, causal_block_attention, compressed_attention
+from kernels.compressed_attention import (block_selection, causal_block_attention, compressed_attention,
+                                          cpu_block_selection, cpu_selection_available)
 from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
@@ -140,7 +142,7 @@ class NativeSparseAttention(nn.Module):
         scores, indices = self._selection(q, k_cmp)
         out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
                          context_fn=_keep_causal_attention)
-        if self._span_kernel(q):  # it keeps only q, k, v and the log-sum-exp already: nothing to recompute
+        if self._cpu_kernels(q):  # it keeps only q, k, v and the log-sum-exp already: nothing to recompute
             b, h, _, m, _ = q.shape
             q_rot, k_slc, k_win = self._rotate(q, k_slc, k_win, 0)
             out_slc = self._selected(q_rot, k_slc, v_slc, scores.view(b, h, m, -1), indices.view(b, h, m, -1), 0)
@@ -196,20 +198,27 @@ class NativeSparseAttention(nn.Module):
     def _selection(self, q: Tensor, k_cmp: Tensor) -> tuple[Tensor, Tensor]:
         """The free blocks of a training forward, chosen from position 0: (scores, indices) [bh, n, free]."""
         kc = self.compress_k(k_cmp)
+        if self._cpu_kernels(q):
+            return cpu_block_selection(q.flatten(0, 1), kc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
+                                       self.fine_block, self._num_forced(), self._num_free(k_cmp.shape[2]))
         return block_selection(q.flatten(0, 1), kc.flatten(0, 1), 0, self.compress_k.block, self.compress_k.stride,
                                self.fine_block, self._chooser(k_cmp.shape[2]))
 
     def _chooser(self, seq_k: int):
         """choose(importance, first) for compressed attention: as many free blocks as fit, at every position."""
-        free = max(0, min(self.num_selected - self._num_forced(), -(-seq_k // self.fine_block)))
+        free = self._num_free(seq_k)
         return lambda importance, first: self._choose(importance, first, free)
 
-    def _span_kernel(self, q: Tensor) -> bool:
-        """Whether the selected and window branches from position 0 run on the span-attention CPU
-        kernel (kernels/span_attention/): kernel auto or cpu, a CPU tensor it computes in fp32
-        without loss, and a kernel built for this CPU."""
+    def _num_free(self, seq_k: int) -> int:
+        """Freely chosen blocks per query besides the forced ones (no more than the keys hold)."""
+        return max(0, min(self.num_selected - self._num_forced(), -(-seq_k // self.fine_block)))
+
+    def _cpu_kernels(self, q: Tensor) -> bool:
+        """Whether block selection, the selected and the window branches from position 0 run on the
+        CPU kernels (kernels/compressed_attention/selection.c, kernels/span_attention/): kernel
+        auto or cpu, a CPU tensor they compute in fp32 without loss, and kernels built for this CPU."""
         return (self.kernel in ("auto", "cpu") and q.device.type == "cpu" and q.dtype in spans.KERNEL_DTYPES
-                and spans.available())
+                and spans.available() and cpu_selection_available())
 
     # ---- selected branch -------------------------------------------------------------------------
 
@@ -232,7 +241,7 @@ class NativeSparseAttention(nn.Module):
             indices = torch.cat((forced.expand(b, h, m, -1), indices), dim=-1)
             valid = torch.cat((forced_valid.expand(b, h, m, -1), valid), dim=-1)
             return _gathered_attention(q, k, v, indices, valid, start, self.fine_block)
-        if self._span_kernel(q):
+        if self._cpu_kernels(q):
             forced, forced_valid = self._forced_indices(0, m, q.device)
             blocks = torch.cat((forced.expand(b * h, m, -1), indices.flatten(0, 1)), dim=-1)
             valid = torch.cat((forced_valid.expand(b * h, m, -1), valid.flatten(0, 1)), dim=-1)
@@ -315,7 +324,7 @@ class NativeSparseAttention(nn.Module):
         b, h, g, m, d = q.shape
         w = self.window
         dropout = self.dropout if self.training else 0.0
-        if start == 0 and dropout == 0.0 and self._span_kernel(q):
+        if start == 0 and dropout == 0.0 and self._cpu_kernels(q):
             i = torch.arange(m, device=q.device)
             window = torch.stack(((i - w + 1).clamp(min=0), i + 1), dim=-1)[:, None]  # [m, 1, 2]
             out, _ = spans.span_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), window)
@@ -401,8 +410,8 @@ def _check(heads, kv_heads, window, block, stride, fine_block, num_selected, ker
     if stride > block:
         raise ValueError(f"compress_stride={stride} exceeds compress_block_size={block}, so tokens between "
                          "blocks would never be compressed: lower model.compress_stride")
-    if kernel == "cpu" and not spans.available():
-        raise ValueError("kernel=cpu needs a working C compiler (cc or $CC) to build the span-attention kernel: "
+    if kernel == "cpu" and not (spans.available() and cpu_selection_available()):
+        raise ValueError("kernel=cpu needs a working C compiler (cc or $CC) to build the CPU kernels: "
                          "install gcc, or use model.kernel=auto or torch")
     if kernel == "triton" and not triton_runnable():
         raise ValueError("kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 to run the kernel slowly "

@@ -1,12 +1,13 @@
 """NSA's compressed attention and block importance against the dense formulation: values, the
-importance handed to `choose`, and every gradient, in float64 so the tolerance can be tight."""
+importance handed to `choose`, and every gradient, in float64 so the tolerance can be tight; the
+CPU selection kernel's choice against the dense importance and the rule it implements."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernels.compressed_attention.reference as module
-from kernels.compressed_attention import compressed_attention
+from kernels.compressed_attention import compressed_attention, cpu_block_selection, cpu_selection_available
 from kernels.compressed_attention.naive import compressed_attention as naive
 
 
@@ -97,3 +98,67 @@ def test_choose_sees_each_chunk_once_in_order():
     assert firsts[0] == 0 and seen[0][1] == 3  # positions 0-2 see no complete block
     assert all(a + size == b for (a, size, _), b in zip(seen, firsts[1:])) and firsts[-1] + seen[-1][1] == 41
     assert all(width == (first + size - 1) // 4 + 1 for first, size, width in seen)  # blocks up to the last query
+
+
+def choose_from_dense(importance, m, fine, forced, free):
+    """The definition of a training step's choice: the `free` most important fine blocks, never the
+    forced ones (own, initial, previous, as many as `forced`) nor any that starts after the query;
+    ties to the earlier block."""
+    t = torch.arange(m)[:, None]
+    f = torch.arange(importance.shape[-1])
+    own = t // fine
+    taken = (f == own) | ((f == 0) & (forced >= 2)) | ((f == own - 1) & (forced >= 3)) | (f * fine > t)
+    ranked = importance.masked_fill(taken, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    return ranked.values[..., :free], ranked.indices[..., :free]
+
+
+SELECTION_CASES = [  # (batch_kv, group, seq_q, dim_head, block, stride, fine block, forced, free)
+    (2, 2, 70, 16, 16, 8, 16, 3, 1),  # the default knobs' shape
+    (1, 3, 77, 24, 16, 8, 8, 3, 3),  # a length that is a multiple of no block size; odd group
+    (2, 2, 61, 8, 6, 4, 8, 2, 2),  # segments of 2 tokens; two forced blocks
+    (1, 2, 45, 8, 5, 3, 7, 1, 4),  # coprime sizes: segments of one token; the own block only
+    (1, 1, 12, 8, 16, 8, 4, 3, 2),  # shorter than a block: nothing complete, every choice a tie at 0
+]
+
+
+@pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
+@pytest.mark.parametrize("bh,g,m,d,block,stride,fine,forced,free", SELECTION_CASES,
+                         ids=[f"BH{c[0]}-G{c[1]}-Q{c[2]}-D{c[3]}-l{c[4]}-d{c[5]}-f{c[6]}-F{c[7]}-n{c[8]}"
+                              for c in SELECTION_CASES])
+def test_cpu_selection_matches_dense_formulation(bh, g, m, d, block, stride, fine, forced, free):
+    gen = torch.Generator().manual_seed(0)
+    blocks, num_fine = max(0, (m - block) // stride + 1), -(-m // fine)
+    q = torch.randn(bh, g, m, d, dtype=torch.float64, generator=gen) * 2
+    kc = torch.randn(bh, blocks, d, dtype=torch.float64, generator=gen)
+    _, importance = naive(q, kc, kc, 0, block, stride, fine, num_fine)
+    ref_scores, ref_indices = choose_from_dense(importance, m, fine, forced, free)
+    scores, indices = cpu_block_selection(q.float(), kc.float(), block, stride, fine, forced, free)
+    valid = ref_scores > float("-inf")
+    assert torch.equal(scores > float("-inf"), valid)
+    torch.testing.assert_close(scores[valid].double(), ref_scores[valid], rtol=1e-5, atol=1e-6)
+    assert torch.equal(indices[valid], ref_indices[valid])
+    assert (indices[~valid] == 0).all()
+
+
+@pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
+def test_cpu_selection_ties_go_to_the_earlier_block():
+    """Before the first compressed block is complete every fine block is worth 0: the earliest
+    eligible ones are chosen, in order."""
+    q, kc = torch.randn(1, 2, 19, 8), torch.randn(1, 0, 8)
+    scores, indices = cpu_block_selection(q, kc, 20, 4, 4, 3, 2)
+    assert indices[0, 18].tolist() == [1, 2] and scores[0, 18].tolist() == [0.0, 0.0]  # own 4, previous 3, initial 0
+    assert indices[0, 14].tolist() == [1, 0] and scores[0, 14].tolist() == [0.0, float("-inf")]  # blocks 0..3
+
+
+@pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
+def test_cpu_selection_is_the_same_on_any_number_of_threads():
+    q, kc = torch.randn(2, 2, 100, 16), torch.randn(2, 11, 16)
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            results.append(cpu_block_selection(q, kc, 16, 8, 8, 3, 2))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -1,0 +1,157 @@
+/* NSA's block selection from position 0 on the CPU, in one pass per query: its compressed-attention
+ * probabilities (each head of the GQA group over the compressed blocks complete by then), summed
+ * over the group, spread onto fine blocks by token overlap, and the most important fine blocks
+ * besides the forced ones, never in the future. Nothing is written but the choice: no [n, blocks]
+ * score matrix exists, and no gradient is kept (selection passes none).
+ *
+ * Layouts (contiguous):
+ *   q        [bh, g, m, d] fp32, the query at position t is row t
+ *   kc_t     [bh, blocks / TILE, d, TILE] fp32, the compressed keys in transposed tiles
+ *   scores   [bh, m, free] fp32 out: the chosen blocks' importance, -inf for a slot with no block left
+ *   indices  [bh, m, free] int64 out: the chosen fine blocks, most important first (ties: the earlier
+ *            block), 0 for an empty slot
+ * Compressed block j covers tokens [j * stride, j * stride + block) and is complete at its last
+ * token. Forced blocks (not chosen here, as many as `forced`, in this priority): the query's own
+ * block, the initial block, the previous block. */
+
+#include "native.h"
+
+#define QUERIES 8 /* consecutive queries scored together: each key tile loaded serves them all */
+
+typedef struct {
+    const float *q, *kc_t;
+    float *scores;
+    int64_t *indices;
+    int64_t bh, g, m, d, blocks, blocks_tiled, block, stride, fine_block, unit, forced, free;
+    float scale;
+} Problem;
+
+INLINE int64_t visible_blocks(const Problem *p, int64_t t) {
+    if (t + 1 < p->block) return 0;
+    const int64_t count = (t + 1 - p->block) / p->stride + 1;
+    return count < p->blocks ? count : p->blocks;
+}
+
+/* scores[r][0..hi) = scale * (q_r . key j) for QUERIES query rows at once (row stride d), so that
+ * each tile of keys loaded serves them all: one vector multiply-add per row and dimension. */
+INLINE void rows_scores(float *scores, int64_t ld, const float *q, const float *tiles, int64_t d, int64_t hi,
+                        float scale) {
+    for (int64_t t0 = 0; t0 < hi; t0 += TILE) {
+        const float *tile = tiles + t0 * d;
+        vec acc[QUERIES];
+        for (int r = 0; r < QUERIES; r++) acc[r] = (vec){0};
+        for (int64_t e = 0; e < d; e++) {
+            const vec keys = *(const vec *)(tile + e * TILE);
+            for (int r = 0; r < QUERIES; r++) acc[r] += q[r * d + e] * keys;
+        }
+        for (int r = 0; r < QUERIES; r++) *(vec *)(scores + r * ld + t0) = acc[r] * scale;
+    }
+}
+
+/* probs[r][0..visible_r) = the group's summed softmax over the compressed blocks visible to query
+ * t0 + r, for the QUERIES queries from t0 (rows past the sequence repeat its last query) */
+INLINE void group_probabilities(const Problem *p, int64_t b, int64_t t0, const int64_t *visible, float *scores,
+                                float *probs, float *q, const int64_t d) {
+    const int64_t ld = p->blocks_tiled, last = p->m - 1;
+    const float *tiles = p->kc_t + b * p->blocks_tiled * d;
+    memset(probs, 0, QUERIES * ld * sizeof(float));
+    for (int64_t h = 0; h < p->g; h++) {
+        for (int r = 0; r < QUERIES; r++) {
+            const int64_t t = t0 + r < last ? t0 + r : last;
+            memcpy(q + r * d, p->q + ((b * p->g + h) * p->m + t) * d, d * sizeof(float));
+        }
+        rows_scores(scores, ld, q, tiles, d, visible[QUERIES - 1], p->scale);
+        for (int r = 0; r < QUERIES; r++) {
+            float *row = scores + r * ld, *sum = probs + r * ld;
+            const int64_t count = visible[r];
+            if (count == 0) continue;
+            float top = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : top)
+            for (int64_t j = 0; j < count; j++) top = row[j] > top ? row[j] : top;
+#pragma omp simd reduction(+ : total)
+            for (int64_t j = 0; j < count; j++) {
+                row[j] = exp_nonpositive(row[j] - top);
+                total += row[j];
+            }
+            const float inverse = 1.0f / total;
+#pragma omp simd
+            for (int64_t j = 0; j < count; j++) sum[j] += row[j] * inverse;
+        }
+    }
+}
+
+/* Query t's choice from its summed probabilities over its visible blocks. */
+static void choose(const Problem *p, int64_t b, int64_t t, int64_t visible, const float *probs, float *segments,
+                   float *importance) {
+    const int64_t fine = t / p->fine_block + 1, own = t / p->fine_block;
+    /* each block's probability spread evenly over its segments of `unit` tokens, summed per fine
+     * block: strided adds, no division per block */
+    const int64_t step = p->stride / p->unit, per_block = p->block / p->unit, per_fine = p->fine_block / p->unit;
+    memset(segments, 0, fine * per_fine * sizeof(float));
+    for (int64_t r = 0; r < per_block; r++) {
+#pragma omp simd
+        for (int64_t j = 0; j < visible; j++) segments[r + j * step] += probs[j];
+    }
+    const float share = 1.0f / (float)per_block;
+    for (int64_t f = 0; f < fine; f++) {
+        float total = 0.0f;
+        for (int64_t c = 0; c < per_fine; c++) total += segments[f * per_fine + c];
+        importance[f] = total * share;
+    }
+    importance[own] = -INFINITY; /* forced blocks are not chosen */
+    if (p->forced >= 2) importance[0] = -INFINITY;
+    if (p->forced >= 3 && own >= 1) importance[own - 1] = -INFINITY;
+    float *best = p->scores + (b * p->m + t) * p->free;
+    int64_t *chosen = p->indices + (b * p->m + t) * p->free;
+    for (int64_t s = 0; s < p->free; s++) best[s] = -INFINITY, chosen[s] = 0;
+    for (int64_t f = 0; f < fine; f++) { /* insertion into the sorted few: equal ones keep their order */
+        const float value = importance[f];
+        if (value == -INFINITY || p->free == 0 || !(value > best[p->free - 1])) continue;
+        int64_t s = p->free - 1;
+        while (s > 0 && best[s - 1] < value) {
+            best[s] = best[s - 1], chosen[s] = chosen[s - 1];
+            s--;
+        }
+        best[s] = value, chosen[s] = f;
+    }
+}
+
+INLINE void select_rows_of(const Problem *p, int64_t b, int64_t t0, float *scores, float *probs, float *q,
+                           float *segments, float *importance, const int64_t d) {
+    int64_t visible[QUERIES];
+    for (int r = 0; r < QUERIES; r++) visible[r] = visible_blocks(p, t0 + r < p->m ? t0 + r : p->m - 1);
+    group_probabilities(p, b, t0, visible, scores, probs, q, d);
+    for (int r = 0; r < QUERIES && t0 + r < p->m; r++)
+        choose(p, b, t0 + r, visible[r], probs + r * p->blocks_tiled, segments, importance);
+}
+
+static void *select_work(void *arg) {
+    Work *work = arg;
+    const Problem *p = work->problem;
+    const int64_t fine = (p->m - 1) / p->fine_block + 1, ld = p->blocks_tiled, groups = (p->m + QUERIES - 1) / QUERIES;
+    const int64_t segments_size = fine * (p->fine_block / p->unit);
+    float *scores = malloc((size_t)(QUERIES * (2 * ld + p->d) + segments_size + fine) * sizeof(float));
+    if (!scores) { work->failed = 1; return NULL; }
+    float *probs = scores + QUERIES * ld, *q = probs + QUERIES * ld, *segments = q + QUERIES * p->d;
+    float *importance = segments + segments_size;
+    for (int64_t r = work->first; r < work->last; r += work->step) {
+        const int64_t b = r / groups, t0 = r % groups * QUERIES;
+        if (p->d == 64) select_rows_of(p, b, t0, scores, probs, q, segments, importance, 64);
+        else select_rows_of(p, b, t0, scores, probs, q, segments, importance, p->d);
+    }
+    free(scores);
+    return NULL;
+}
+
+static int64_t gcd(int64_t a, int64_t b) { return b ? gcd(b, a % b) : a; }
+
+int block_selection(const float *q, const float *kc_t, float *scores, int64_t *indices, int64_t bh, int64_t g,
+                    int64_t m, int64_t d, int64_t blocks, int64_t block, int64_t stride, int64_t fine_block,
+                    int64_t forced, int64_t free, float scale, int threads) {
+    Problem p = {.q = q, .kc_t = kc_t, .scores = scores, .indices = indices, .bh = bh, .g = g, .m = m, .d = d,
+                 .blocks = blocks, .blocks_tiled = (blocks + TILE - 1) / TILE * TILE, .block = block,
+                 .stride = stride, .fine_block = fine_block, .unit = gcd(gcd(block, stride), fine_block),
+                 .forced = forced, .free = free, .scale = scale};
+    /* later queries see more blocks: interleaved groups of queries keep the threads' shares even */
+    return run_rows(&p, bh * ((m + QUERIES - 1) / QUERIES), threads, 1, select_work);
+}

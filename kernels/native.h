@@ -1,0 +1,98 @@
+/* What the project's C kernels share: vector types, a vectorisable exp, dot products of one query
+ * with keys stored in transposed tiles, and a split of rows over POSIX threads (no OpenMP runtime
+ * beside PyTorch's). Built by kernels/native.py. */
+
+#ifndef KERNELS_NATIVE_H
+#define KERNELS_NATIVE_H
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 16     /* keys per transposed tile: one AVX-512 register of fp32, two AVX2 ones */
+#define MAX_DIM 256 /* widest head kept in registers */
+#define INLINE static inline __attribute__((always_inline))
+
+/* TILE floats, loaded and stored unaligned; the compiler maps it onto this CPU's vector registers */
+typedef float vec __attribute__((vector_size(4 * TILE), aligned(4)));
+
+/* exp(x) for x <= 0 (scores less their maximum or log-sum-exp) in a form that vectorizes: x = k ln2
+ * + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes' expf coefficients,
+ * ~1 ulp), 2^k by the exponent bits; 0 below fp32's normal range. */
+static inline float exp_nonpositive(float x) {
+    const float k = rintf(x * 1.44269504f);
+    const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+    float poly = 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    const float er = poly * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
+    return x < -87.0f ? 0.0f : er * scale.f;
+}
+
+/* scores[0..hi-lo) = scale * (q . key j) for keys lo..hi-1, from the keys in tiles of TILE keys
+ * transposed ([n / TILE, d, TILE]): a tile's TILE scores accumulate in vector registers along d
+ * (four partial sums, so the multiply-adds do not wait on each other), and every tile is one
+ * contiguous run of memory (a plain transpose, [d, n], would put a span's d rows n floats apart, on
+ * the same few cache sets). */
+INLINE void tile_scores(float *scores, const float *q, const float *tiles, int64_t d, int64_t lo, int64_t hi,
+                        float scale) {
+    for (int64_t t0 = lo - lo % TILE; t0 < hi; t0 += TILE) {
+        const float *tile = tiles + t0 * d;
+        float acc[4][TILE] = {{0.0f}};
+        int64_t e = 0;
+        for (; e + 4 <= d; e += 4) {
+            for (int u = 0; u < 4; u++) {
+                const float qe = q[e + u];
+#pragma omp simd
+                for (int l = 0; l < TILE; l++) acc[u][l] += qe * tile[(e + u) * TILE + l];
+            }
+        }
+        for (; e < d; e++) {
+#pragma omp simd
+            for (int l = 0; l < TILE; l++) acc[0][l] += q[e] * tile[e * TILE + l];
+        }
+        const int64_t first = t0 < lo ? lo - t0 : 0, last = t0 + TILE > hi ? hi - t0 : TILE;
+        for (int64_t l = first; l < last; l++)
+            scores[t0 + l - lo] = scale * ((acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]));
+    }
+}
+
+/* One thread's share: rows first, first + step, ... below last. */
+typedef struct {
+    const void *problem;
+    int64_t first, last, step;
+    int thread;
+    int failed; /* set by the body when it could not allocate its scratch */
+} Work;
+
+/* Runs body over `rows` rows on `threads` threads (the caller's among them); 0 on success.
+ * interleave: thread t takes rows t, t + threads, ... (balanced when a row's cost grows with its
+ * index); otherwise each thread takes one contiguous range. */
+static int run_rows(const void *problem, int64_t rows, int threads, int interleave, void *(*body)(void *)) {
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    Work work[256];
+    pthread_t ids[256];
+    int started[256] = {0};
+    for (int t = 0; t < threads; t++) {
+        work[t] = interleave ? (Work){problem, t, rows, threads, t, 0}
+                             : (Work){problem, rows * t / threads, rows * (t + 1) / threads, 1, t, 0};
+        if (t > 0) started[t] = pthread_create(&ids[t], NULL, body, &work[t]) == 0;
+    }
+    body(&work[0]);
+    int failed = work[0].failed;
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else body(&work[t]); /* no thread to be had: the caller does that share too */
+        failed |= work[t].failed;
+    }
+    return failed;
+}
+
+#endif

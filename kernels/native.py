@@ -1,0 +1,85 @@
+"""The project's C kernels (a `.c` file in a kernel's package, sharing `native.h`), compiled with
+the machine's C compiler the first time one is needed (about a second) for this CPU
+(-march=native), into a cache keyed by the sources, the flags and the CPU's model and feature
+flags, so a cache shared between different CPUs never serves the wrong build. Where no compiler
+works, `load` returns None and callers keep their PyTorch path."""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_HEADER = Path(__file__).with_name("native.h")
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC", "-pthread"]
+TILE = 16  # keys per transposed tile, as TILE in native.h
+
+
+def pointer(t: Optional[Tensor]):
+    """A tensor's data for a C argument; the caller keeps the tensor alive while C runs."""
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+@lru_cache(maxsize=None)
+def load(source: Path, signatures: tuple[tuple[str, int, int], ...]) -> Optional[ctypes.CDLL]:
+    """The compiled `source`, built into the cache on first use; None where it cannot be built.
+    signatures: (function, number of pointer arguments, number of int64 arguments) for functions
+    that take pointers, then int64 sizes, then (float scale, int threads), and return int status."""
+    if platform.system() not in ("Linux", "Darwin"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), _HEADER.read_bytes(), " ".join([compiler, *_FLAGS]).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    path = _cache_dir() / f"{source.stem}-{key}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
+                subprocess.run([compiler, *_FLAGS, f"-I{_HEADER.parent}", str(source), "-o", str(built), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+                os.replace(built, path)  # atomic: concurrent runs of a sweep never load half a file
+        except (OSError, subprocess.SubprocessError):
+            return None
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError:
+        return None
+    for name, pointers, sizes in signatures:
+        function = getattr(library, name)
+        function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + [ctypes.c_float, ctypes.c_int]
+        function.restype = ctypes.c_int
+    return library
+
+
+def transposed_tiles(x: Tensor) -> Tensor:
+    """[bh, n, d] -> [bh, n / TILE, d, TILE] (n zero-padded to a multiple of TILE): keys in the
+    layout native.h's tile_scores reads."""
+    bh, n, d = x.shape
+    x = torch.nn.functional.pad(x, (0, 0, 0, (-n) % TILE))
+    return x.view(bh, -1, TILE, d).transpose(-1, -2).contiguous()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "sparse-attention-experiments" / "kernels"
+
+
+def _cpu_flags() -> str:
+    """The CPU's model and feature flags (the build is -march=native), from /proc/cpuinfo where it exists."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
