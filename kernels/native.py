@@ -64,10 +64,10 @@ def load(source: Path, signatures: tuple[tuple[str, int, int], ...]) -> Optional
 
 def transposed_tiles(x: Tensor) -> Tensor:
     """[bh, n, d] -> [bh, n / TILE, d, TILE] (n zero-padded to a multiple of TILE): keys in the
-    layout native.h's tile_scores reads."""
+    layout native.h's tile_scores reads; x may be any strided view."""
     bh, n, d = x.shape
     x = torch.nn.functional.pad(x, (0, 0, 0, (-n) % TILE))
-    return x.view(bh, -1, TILE, d).transpose(-1, -2).contiguous()
+    return x.reshape(bh, -1, TILE, d).transpose(-1, -2).contiguous()
 
 
 def _cache_dir() -> Path:

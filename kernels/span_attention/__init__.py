@@ -10,7 +10,7 @@ The C kernel is compiled for this CPU on first use (kernels/native.py). Where no
 
 import ctypes
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -18,7 +18,8 @@ from torch import Tensor
 from kernels.native import load, pointer, transposed_tiles
 
 _SOURCE = Path(__file__).with_name("span_attention.c")
-_SIGNATURES = (("span_attention_forward", 7, 8), ("span_attention_backward", 13, 8))
+_SIGNATURES = (("span_attention_forward", 8, 8), ("span_attention_backward", 15, 8))
+Rotate = Callable[[Tensor, bool], Tensor]  # rotate(x [..., seq, dim_head], inverse) -> x rotated by position
 # element types the kernel runs in fp32 without losing what the caller asked for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -28,8 +29,8 @@ def available() -> bool:
     return _library() is not None
 
 
-def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Optional[Tensor] = None
-                   ) -> tuple[Tensor, Tensor]:
+def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Optional[Tensor] = None,
+                   gate: Optional[Tensor] = None, rotate: Optional[Rotate] = None) -> tuple[Tensor, Tensor]:
     """Attention of each query over the keys of its spans, on the CPU kernel.
 
     q        [batch_kv, group, seq_q, dim_head]  queries of one GQA group (batch * kv_heads first)
@@ -48,30 +49,36 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Opti
     if _library() is None:
         raise RuntimeError("the span-attention CPU kernel could not be built here (no working C compiler)")
     out, lse = _SpanAttention.apply(q.float(), k.float(), v.float(), spans.to(torch.int32).contiguous(),
-                                    None if weights is None else weights.float())
+                                    None if weights is None else weights.float(), None if gate is None else gate.float(),
+                                    rotate)
     return out.to(q.dtype), lse
 
 
 class _SpanAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spans, weights):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        weights = None if weights is None else weights.contiguous()
+    def forward(ctx, q, k, v, spans, weights, gate, rotate):
+        ctx.rotate = rotate
+        q_in, k_in = q, k  # saved as given: the caller keeps them anyway
+        q, k = _rotated(q, k, rotate)
+        v_rows = v.contiguous()
+        weights, gate = (None if t is None else t.contiguous() for t in (weights, gate))
         bh, g, m, d = q.shape
         out, lse = torch.empty_like(q), q.new_empty(bh, g, m)
         ctx.shape = _shape(q, k, spans)
         k_t = transposed_tiles(k)  # held here: a pointer does not keep its tensor alive
         status = _library().span_attention_forward(
-            pointer(q), pointer(k_t), pointer(v), pointer(spans), pointer(weights), pointer(out),
+            pointer(q), pointer(k_t), pointer(v_rows), pointer(spans), pointer(weights), pointer(gate), pointer(out),
             pointer(lse), *ctx.shape, ctypes.c_float(d**-0.5), torch.get_num_threads())
         if status:
             raise MemoryError("span attention: a thread could not allocate its scores")
-        ctx.save_for_backward(q, k, v, spans, weights, lse)
+        # v as given (a view of the caller's projection, say): the backward reads it in tiles only
+        ctx.save_for_backward(q_in, k_in, v, spans, weights, gate, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, spans, weights, lse = ctx.saved_tensors
+        q, k, v, spans, weights, gate, lse = ctx.saved_tensors
+        q, k = _rotated(q, k, ctx.rotate)
         d = q.shape[-1]
         threads = torch.get_num_threads()
         dout = dout.float().contiguous()
@@ -79,14 +86,25 @@ class _SpanAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk, dv = (k.new_zeros(threads, *k.shape) for _ in range(2))  # one buffer per thread: no races
         dweights = None if weights is None else torch.zeros_like(weights)
+        dgate = None if gate is None else torch.empty_like(gate)
         k_t, v_t = transposed_tiles(k), transposed_tiles(v)
         status = _library().span_attention_backward(
-            pointer(q), pointer(k), pointer(k_t), pointer(v_t), pointer(spans), pointer(weights),
+            pointer(q), pointer(k), pointer(k_t), pointer(v_t), pointer(spans), pointer(weights), pointer(gate),
             pointer(lse), pointer(dout), pointer(dlse), pointer(dq), pointer(dk), pointer(dv), pointer(dweights),
+            pointer(dgate),
             *ctx.shape, ctypes.c_float(d**-0.5), threads)
         if status:
             raise MemoryError("span attention: a thread could not allocate its probabilities")
-        return dq, dk.sum(0), dv.sum(0), None, dweights
+        dk = dk.sum(0)
+        if ctx.rotate is not None:  # the gradients of the rotated q and k, rotated back
+            dq, dk = ctx.rotate(dq, True), ctx.rotate(dk, True)
+        return dq, dk, dv.sum(0), None, dweights, dgate, None
+
+
+def _rotated(q: Tensor, k: Tensor, rotate: Optional[Rotate]) -> tuple[Tensor, Tensor]:
+    if rotate is not None:
+        q, k = rotate(q, False), rotate(k, False)
+    return q.contiguous(), k.contiguous()
 
 
 def _shape(q: Tensor, k: Tensor, spans: Tensor) -> tuple:

@@ -14,14 +14,15 @@
  *   spans         [bh, m, S, 2]    int32 (start, end); end <= start: an unused slot; with
  *                                  spans_shared, [m, S, 2] for every bh
  *   weights       [bh, m, S]       slot s's share of the output is scaled by weights[s]; NULL: 1
+ *   gate, dgate   [bh, g, m]       each head's whole output is scaled by its gate; NULL: 1
  */
 
 #include "native.h"
 
 typedef struct {
-    const float *q, *k, *v, *k_t, *v_t, *weights, *dout, *dlse;
+    const float *q, *k, *v, *k_t, *v_t, *weights, *gate, *dout, *dlse;
     const int32_t *spans;
-    float *out, *lse, *dq, *dk, *dv, *dweights;
+    float *out, *lse, *dq, *dk, *dv, *dweights, *dgate;
     int64_t bh, g, m, d, n, n_tiled, S, max_keys;
     int spans_shared;
     float scale;
@@ -100,9 +101,10 @@ INLINE void forward_row_of(const Problem *p, int64_t b, int64_t i, float *scores
             total += scores[c];
         }
         p->lse[head_row] = top + logf(total);
+        const float gate = p->gate ? p->gate[head_row] : 1.0f;
         int64_t c = 0;
         for (int64_t s = 0; s < p->S; s++) {
-            const float w = slot_weight(p, row, s) / total;
+            const float w = gate * slot_weight(p, row, s) / total;
             for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) scores[c] *= w;
         }
         weighted_rows(out, scores, span, p->S, values, d);
@@ -120,8 +122,9 @@ INLINE void backward_row_of(const Problem *p, int64_t b, int64_t i, int thread,
         const float *q = p->q + head_row * d, *dout = p->dout + head_row * d;
         float *dq = p->dq + head_row * d;
         const float lse = p->lse[head_row];
-        if (lse == -INFINITY) {
+        if (lse == -INFINITY) { /* nothing visible: the output was 0 */
             memset(dq, 0, d * sizeof(float));
+            if (p->dgate) p->dgate[head_row] = 0.0f;
             continue;
         }
         const int64_t count = head_scores(p, span, q, keys_t, probs, d);
@@ -135,22 +138,26 @@ INLINE void backward_row_of(const Problem *p, int64_t b, int64_t i, int thread,
             tile_scores(dprobs + c, dout, values_t, d, lo, hi, 1.0f);
             c += hi - lo;
         }
-        /* dS = P * (dP' - sum(P * dP') + dlse), dP' = w * dP: the slot weights scale each share */
-        float delta = p->dlse ? -p->dlse[head_row] : 0.0f;
+        /* dS = P * (dP' - sum(P * dP') + dlse), dP' = gate * w * dP: the slot weights scale each
+         * share, the gate the whole output (its gradient is dO . the ungated output) */
+        const float gate = p->gate ? p->gate[head_row] : 1.0f;
+        float delta = p->dlse ? -p->dlse[head_row] : 0.0f, gate_grad = 0.0f;
         c = 0;
         for (int64_t s = 0; s < p->S; s++) {
             const float w = slot_weight(p, row, s);
             float slot_grad = 0.0f;
             for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) {
                 slot_grad += probs[c] * dprobs[c];
-                dprobs[c] *= w;
+                dprobs[c] *= gate * w;
                 delta += probs[c] * dprobs[c];
             }
-            if (p->dweights) p->dweights[row * p->S + s] += slot_grad;
+            gate_grad += w * slot_grad;
+            if (p->dweights) p->dweights[row * p->S + s] += gate * slot_grad;
         }
+        if (p->dgate) p->dgate[head_row] = gate_grad;
         c = 0;
         for (int64_t s = 0; s < p->S; s++) {
-            const float w = slot_weight(p, row, s);
+            const float w = gate * slot_weight(p, row, s);
             for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) {
                 const float dscore = probs[c] * (dprobs[c] - delta) * p->scale;
                 axpy(dk + j * d, dscore, q, d);
@@ -195,10 +202,11 @@ static void *backward_work(void *arg) {
 }
 
 int span_attention_forward(const float *q, const float *k_t, const float *v, const int32_t *spans,
-                           const float *weights, float *out, float *lse, int64_t bh, int64_t g, int64_t m,
+                           const float *weights, const float *gate, float *out, float *lse, int64_t bh, int64_t g,
+                           int64_t m,
                            int64_t d, int64_t n, int64_t S, int64_t max_keys, int64_t spans_shared, float scale,
                            int threads) {
-    Problem p = {.q = q, .k_t = k_t, .v = v, .weights = weights, .spans = spans, .out = out, .lse = lse,
+    Problem p = {.q = q, .k_t = k_t, .v = v, .weights = weights, .gate = gate, .spans = spans, .out = out, .lse = lse,
                  .bh = bh, .g = g, .m = m, .d = d, .n = n, .n_tiled = (n + TILE - 1) / TILE * TILE, .S = S, .max_keys = max_keys,
                  .spans_shared = spans_shared, .scale = scale};
     return run_rows(&p, bh * m, threads, 0, forward_work);
@@ -206,12 +214,14 @@ int span_attention_forward(const float *q, const float *k_t, const float *v, con
 
 int span_attention_backward(const float *q, const float *k, const float *k_t, const float *v_t,
                             const int32_t *spans,
-                            const float *weights, const float *lse, const float *dout, const float *dlse,
-                            float *dq, float *dk, float *dv, float *dweights, int64_t bh, int64_t g, int64_t m,
+                            const float *weights, const float *gate, const float *lse, const float *dout,
+                            const float *dlse, float *dq, float *dk, float *dv, float *dweights, float *dgate,
+                            int64_t bh, int64_t g, int64_t m,
                             int64_t d, int64_t n, int64_t S, int64_t max_keys, int64_t spans_shared, float scale,
                             int threads) {
-    Problem p = {.q = q, .k = k, .k_t = k_t, .v_t = v_t, .weights = weights, .spans = spans, .lse = (float *)lse,
-                 .dout = dout, .dlse = dlse, .dq = dq, .dk = dk, .dv = dv, .dweights = dweights,
+    Problem p = {.q = q, .k = k, .k_t = k_t, .v_t = v_t, .weights = weights, .gate = gate, .spans = spans,
+                 .lse = (float *)lse,
+                 .dout = dout, .dlse = dlse, .dq = dq, .dk = dk, .dv = dv, .dweights = dweights, .dgate = dgate,
                  .bh = bh, .g = g, .m = m, .d = d, .n = n, .n_tiled = (n + TILE - 1) / TILE * TILE, .S = S, .max_keys = max_keys,
                  .spans_shared = spans_shared, .scale = scale};
     return run_rows(&p, bh * m, threads, 0, backward_work);

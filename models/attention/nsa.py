@@ -142,14 +142,26 @@ class NativeSparseAttention(nn.Module):
         scores, indices = self._selection(q, k_cmp)
         out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
                          context_fn=_keep_causal_attention)
-        if self._cpu_kernels(q):  # it keeps only q, k, v and the log-sum-exp already: nothing to recompute
-            b, h, _, m, _ = q.shape
-            q_rot, k_slc, k_win = self._rotate(q, k_slc, k_win, 0)
-            out_slc = self._selected(q_rot, k_slc, v_slc, scores.view(b, h, m, -1), indices.view(b, h, m, -1), 0)
-            gates = torch.sigmoid(gates[1:])
-            return out + gates[0] * out_slc + gates[1] * self._window(q_rot, k_win, v_win, 0)
+        if self._cpu_kernels(q):
+            return out + self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)
         out = out + checkpoint(self._selected_part, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
         return out + checkpoint(self._window_part, q, k_win, v_win, gates[2], use_reentrant=False)
+
+    def _local_kernels(self, q: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, gates: Tensor,
+                       scores: Tensor, indices: Tensor) -> Tensor:
+        """A training step's selected and window branches on the span-attention CPU kernel, with
+        rotary positions and gates applied inside it, so that the backward keeps neither rotated
+        nor gated copies (only each branch's log-sum-exp): q [b, h, g, n, d], keys and values
+        [b, h, n, d], gate logits [2, b, h, g, n, 1], free blocks [b * h, n, free] -> [b, h, g, n, d]."""
+        b, h, _, m, _ = q.shape
+        gates = torch.sigmoid(gates).squeeze(-1).flatten(1, 2)  # [2, b * h, g, n]
+        q, k_slc, v_slc, k_win, v_win = (t.flatten(0, 1) for t in (q, k_slc, v_slc, k_win, v_win))
+        rotate = lambda x, inverse: self.rotary(x, inverse=inverse)  # noqa: E731
+        chosen = self._selected_spans(indices.view(b, h, m, -1), scores.view(b, h, m, -1) > float("-inf"))
+        out_slc, _ = spans.span_attention(q, k_slc, v_slc, chosen, gate=gates[0], rotate=rotate)
+        out_win, _ = spans.span_attention(q, k_win, v_win, self._window_spans(m, q.device), gate=gates[1],
+                                          rotate=rotate)
+        return (out_slc + out_win).view(b, h, -1, m, q.shape[-1])
 
     def _compressed_part(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, gate: Tensor) -> Tensor:
         kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)
@@ -242,13 +254,10 @@ class NativeSparseAttention(nn.Module):
             valid = torch.cat((forced_valid.expand(b, h, m, -1), valid), dim=-1)
             return _gathered_attention(q, k, v, indices, valid, start, self.fine_block)
         if self._cpu_kernels(q):
-            forced, forced_valid = self._forced_indices(0, m, q.device)
-            blocks = torch.cat((forced.expand(b * h, m, -1), indices.flatten(0, 1)), dim=-1)
-            valid = torch.cat((forced_valid.expand(b * h, m, -1), valid.flatten(0, 1)), dim=-1)
             if weights is not None:  # the forced blocks keep their whole share
-                weights = torch.cat((weights.new_ones(b, h, m, forced.shape[-1]), weights), dim=-1).flatten(0, 1)
+                weights = torch.cat((weights.new_ones(b, h, m, self._num_forced()), weights), dim=-1).flatten(0, 1)
             out, _ = spans.span_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
-                                          self._block_spans(blocks, valid), weights)
+                                          self._selected_spans(indices, valid), weights)
             return out.view_as(q)
         sink = self.fine_block if self._num_forced() >= 2 else 0
         out_forced, lse_forced = tiled_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
@@ -266,6 +275,15 @@ class NativeSparseAttention(nn.Module):
         lse = torch.logaddexp(lse_forced, lse_free)
         return (out_forced * (lse_forced - lse).exp()[..., None].to(q.dtype)
                 + out_free * (lse_free - lse).exp()[..., None].to(q.dtype))
+
+    def _selected_spans(self, indices: Tensor, valid: Tensor) -> Tensor:
+        """The forced and the freely chosen blocks [b, h, m, free] of the queries from position 0 as
+        key spans [b * h, m, forced + free, 2] for the span-attention kernel."""
+        b, h, m, _ = indices.shape
+        forced, forced_valid = self._forced_indices(0, m, indices.device)
+        blocks = torch.cat((forced.expand(b * h, m, -1), indices.flatten(0, 1)), dim=-1)
+        valid = torch.cat((forced_valid.expand(b * h, m, -1), valid.flatten(0, 1)), dim=-1)
+        return self._block_spans(blocks, valid)
 
     def _block_spans(self, blocks: Tensor, valid: Tensor) -> Tensor:
         """Fine blocks [..., m, slots] of the queries from position 0 -> their key spans [..., m, slots, 2]
@@ -319,15 +337,19 @@ class NativeSparseAttention(nn.Module):
     def _window_visible(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
         return (key_pos <= query_pos) & (key_pos > query_pos - self.window)
 
+    def _window_spans(self, m: int, device) -> Tensor:
+        """The window of each query from position 0 as one key span [m, 1, 2]."""
+        i = torch.arange(m, device=device)
+        return torch.stack(((i - self.window + 1).clamp(min=0), i + 1), dim=-1)[:, None]
+
     def _window(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """Sliding-window attention: query t sees keys (t - w, t]. -> [b, h, g, n, d]"""
         b, h, g, m, d = q.shape
         w = self.window
         dropout = self.dropout if self.training else 0.0
         if start == 0 and dropout == 0.0 and self._cpu_kernels(q):
-            i = torch.arange(m, device=q.device)
-            window = torch.stack(((i - w + 1).clamp(min=0), i + 1), dim=-1)[:, None]  # [m, 1, 2]
-            out, _ = spans.span_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), window)
+            out, _ = spans.span_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                          self._window_spans(m, q.device))
             return out.view_as(q)
         if start == 0:  # training: tiles of w queries see their tile and the previous one, fused
             pad = (-m) % w

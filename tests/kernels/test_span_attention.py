@@ -28,11 +28,13 @@ def inputs(bh=3, g=2, m=45, d=24, seed=0):
     return q, k, v
 
 
-def check(q, k, v, spans, weights=None):
+def check(q, k, v, spans, weights=None, gate=None):
     """The kernel (fp32) against the definition (fp64): out, lse and every gradient."""
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if weights is None else [weights.clone().requires_grad_()])
-    ref_out, ref_lse = naive_span_attention(*leaves[:3], spans, *leaves[3:])
-    out, lse = span_attention(*(t.float() for t in leaves[:3]), spans, *(t.float() for t in leaves[3:]))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    extra = {name: t.clone().requires_grad_() for name, t in (("weights", weights), ("gate", gate)) if t is not None}
+    leaves += list(extra.values())
+    ref_out, ref_lse = naive_span_attention(*leaves[:3], spans, **extra)
+    out, lse = span_attention(*(t.float() for t in leaves[:3]), spans, **{n: t.float() for n, t in extra.items()})
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-5)
     assert torch.equal(lse.isinf(), ref_lse.isinf())
@@ -95,3 +97,14 @@ def test_results_do_not_depend_on_the_thread_count():
             torch.set_num_threads(before)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_gate_scales_each_head_and_gets_its_gradient(with_weights):
+    q, k, v = inputs(bh=2, m=29)
+    gen = torch.Generator().manual_seed(2)
+    gate = torch.rand(2, 2, 29, generator=gen, dtype=torch.float64)
+    weights = 1 + torch.rand(2, 29, 3, generator=gen, dtype=torch.float64) if with_weights else None
+    spans = window_and_blocks(29, window=5, block=3).expand(2, 29, 3, 2).clone()
+    spans[1, 7] = 0  # a query that sees nothing: its gate gets no gradient
+    check(q, k, v, spans, weights, gate)

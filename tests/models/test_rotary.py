@@ -1,0 +1,39 @@
+"""Rotary embeddings: the pairwise rotation by position, its inverse, and the same result in the
+complex (fp32, fp64) and the real (bf16) formulations."""
+
+import torch
+
+from models.rotary import Rotary
+
+
+def pairwise(x: torch.Tensor, start: int, dim_head: int) -> torch.Tensor:
+    """The definition: channels (2i, 2i+1) of position p rotated by p * 10000^(-2i / dim_head)
+    (the frequencies in fp32, as the module keeps them)."""
+    inv_freq = (10_000.0 ** (-torch.arange(0, dim_head, 2, dtype=torch.float32) / dim_head)).double()
+    angles = torch.arange(start, start + x.shape[-2], dtype=torch.float64)[:, None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+
+def test_rotation_matches_the_pairwise_definition():
+    x = torch.randn(2, 3, 40, 16, dtype=torch.float64)
+    torch.testing.assert_close(Rotary(16)(x, start=7), pairwise(x, 7, 16), rtol=1e-12, atol=1e-12)
+
+
+def test_inverse_undoes_the_rotation_and_is_its_gradient():
+    rotary = Rotary(16)
+    x = torch.randn(3, 30, 16, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(rotary(rotary(x, 5), 5, inverse=True), x, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(3, 30, 16, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(rotary(x, 5), x, grad)
+    torch.testing.assert_close(rotary(grad, 5, inverse=True), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_strided_views_and_bf16_rotate_as_contiguous_fp32():
+    rotary = Rotary(8)
+    kv = torch.randn(1, 20, 3 * 8)
+    view = kv.view(1, 20, 3, 8)[:, :, 1].transpose(0, 1)  # odd storage offset, non-contiguous
+    torch.testing.assert_close(rotary(view), rotary(view.contiguous()))
+    x = torch.randn(2, 20, 8)
+    torch.testing.assert_close(rotary(x.bfloat16()).float(), rotary(x), rtol=2e-2, atol=2e-2)
