@@ -35,6 +35,21 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : er * scale.f;
 }
 
+/* x[0..count) <- exp(x - max x), count > 0; returns the log-sum-exp of the original x (the
+ * softmax's denominator is exp(lse - max), the sum of the new x, which *total receives). */
+INLINE float exp_less_max(float *x, int64_t count, float *total) {
+    float top = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : top)
+    for (int64_t c = 0; c < count; c++) top = x[c] > top ? x[c] : top;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < count; c++) {
+        x[c] = exp_nonpositive(x[c] - top);
+        sum += x[c];
+    }
+    *total = sum;
+    return top + logf(sum);
+}
+
 /* scores[0..hi-lo) = scale * (q . key j) for keys lo..hi-1, from the keys in tiles of TILE keys
  * transposed ([n / TILE, d, TILE]): a tile's TILE scores accumulate in vector registers along d
  * (four partial sums, so the multiply-adds do not wait on each other), and every tile is one

@@ -65,14 +65,8 @@ INLINE void group_probabilities(const Problem *p, int64_t b, int64_t t0, const i
             float *row = scores + r * ld, *sum = probs + r * ld;
             const int64_t count = visible[r];
             if (count == 0) continue;
-            float top = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : top)
-            for (int64_t j = 0; j < count; j++) top = row[j] > top ? row[j] : top;
-#pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < count; j++) {
-                row[j] = exp_nonpositive(row[j] - top);
-                total += row[j];
-            }
+            float total;
+            exp_less_max(row, count, &total);
             const float inverse = 1.0f / total;
 #pragma omp simd
             for (int64_t j = 0; j < count; j++) sum[j] += row[j] * inverse;

@@ -92,15 +92,8 @@ INLINE void forward_row_of(const Problem *p, int64_t b, int64_t i, float *scores
             p->lse[head_row] = -INFINITY;
             continue;
         }
-        float top = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : top)
-        for (int64_t c = 0; c < count; c++) top = scores[c] > top ? scores[c] : top;
-#pragma omp simd reduction(+ : total)
-        for (int64_t c = 0; c < count; c++) {
-            scores[c] = exp_nonpositive(scores[c] - top);
-            total += scores[c];
-        }
-        p->lse[head_row] = top + logf(total);
+        float total;
+        p->lse[head_row] = exp_less_max(scores, count, &total);
         const float gate = p->gate ? p->gate[head_row] : 1.0f;
         int64_t c = 0;
         for (int64_t s = 0; s < p->S; s++) {
