@@ -1,7 +1,7 @@
 """Attention kernels, one package each: `naive.py` (the simplest readable reference), `reference.py`
 (the chunked plain-PyTorch path), `triton.py` where there is a Triton kernel, a `.c` file where
-there is a CPU kernel (compiled on first use by native.py, sharing native.h), and the dispatcher in the package's `__init__.py`.
-Nothing here imports models/ or experiments/."""
+there is a CPU kernel (compiled on first use by native.py, sharing native.h), and the dispatcher
+in the package's `__init__.py`. Nothing here imports models/ or experiments/."""
 
 import os
 

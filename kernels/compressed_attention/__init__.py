@@ -34,9 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.native import load, pointer, transposed_tiles
-
 from kernels.compressed_attention.reference import CompressedAttention, Layout, select
+from kernels.native import load, pointer, transposed_tiles
 
 # choose(importance [bh, chunk, fine blocks up to the chunk's last query], first position)
 #   -> (scores, indices) [bh, chunk, selected]
@@ -87,8 +86,6 @@ def causal_block_attention(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride
                                          enable_gqa=True)
     out = out.view(bh, g, stride, blocks, d).transpose(2, 3).reshape(bh, g, blocks * stride, d)[:, :, : m - first]
     return F.pad(out, (0, 0, first, 0))
-
-
 
 
 def cpu_selection_available() -> bool:

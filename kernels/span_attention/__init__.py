@@ -40,6 +40,11 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Opti
              overlap, and causality is the caller's: a span holds only keys the query may see.
     weights  [batch_kv, seq_q, slots] or None: slot s's share of the output is multiplied by
              weights[..., s] (the probabilities stay those of one softmax over all slots)
+    gate     [batch_kv, group, seq_q] or None: each head's output is multiplied by it, inside the
+             kernel (a gated branch keeps no copy of its output for the gate's gradient)
+    rotate   rotate(x, inverse) or None: x [..., seq, dim_head] rotated by position (rotary
+             embeddings; query i and key j at positions i and j), or rotated back with inverse.
+             Applied to q and k inside, and again in the backward, so no rotated copy is kept.
     returns  out [batch_kv, group, seq_q, dim_head] in q's dtype, and the log-sum-exp
              [batch_kv, group, seq_q] in fp32, so that attentions over disjoint keys merge exactly.
              A query with no key gets zeros and a log-sum-exp of -inf.

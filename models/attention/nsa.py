@@ -21,12 +21,14 @@ Cost per query: n / d compressed keys, n selected blocks and w window keys; noth
 with the sequence. In training the compressed branch and the window are fused attention, the
 forced blocks run as tiled attention over [initial | previous | own] tiles
 (models/attention/tiled.py), the freely chosen blocks are gathered (kernels/selected_attention/),
-and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the CPU (kernel auto
-or cpu), C kernels take over: block selection is one pass per query from its compressed scores to
-its chosen blocks (kernels/compressed_attention/selection.c), and the selected blocks and the
-window are spans of keys for one kernel (kernels/span_attention/) that reads each query's keys where
-they lie and keeps only q, k, v and the log-sum-exp for its backward. Decoding (queries after a cache) gathers each query's selected
-blocks directly: a step reads the compressed keys, n blocks and the window, never the whole cache.
+and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the CPU
+(kernel auto or cpu), C kernels take over: block selection is one pass per query from its
+compressed scores to its chosen blocks (kernels/compressed_attention/selection.c), and the
+selected blocks and the window are spans of keys for one kernel (kernels/span_attention/) that
+reads each query's keys where they lie, applies the rotary positions and the gate itself, and
+keeps only the log-sum-exp besides its inputs for the backward. Decoding (queries after a cache)
+gathers each query's selected blocks directly: a step reads the compressed keys, n blocks and the
+window, never the whole cache.
 
 Each branch has its own keys and values (as the paper: no gradient shortcuts between branches);
 the query projection is shared. Rotary positions apply to the selected and window branches; the
@@ -137,7 +139,8 @@ class NativeSparseAttention(nn.Module):
         (as flash attention recomputes its probabilities), so a layer keeps x, the query and
         key/value projections, the gates and the compressed branch's fused-attention output (less
         than dense attention keeps), and its backward holds one branch's activations at a time.
-        Block selection needs no gradient: it runs once, outside the recomputation."""
+        On the CPU kernels the local branches need no recomputation: they keep nothing but their
+        log-sum-exps. Block selection needs no gradient: it runs once, outside the recomputation."""
         k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
         scores, indices = self._selection(q, k_cmp)
         out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
