@@ -21,7 +21,7 @@ import torch
 
 from experiments.config.checks import check_config, composition_error
 from experiments.runtime.errors import UserError
-from tests.helpers.runs import ROOT, read_metrics, read_summary, run_env, start_long_train, train
+from tests.helpers.runs import ROOT, TINY_LM, read_metrics, read_summary, run_env, start_long_train, train
 
 # ---- config values: every group, checked before anything is built ---------------------------------
 
@@ -272,6 +272,31 @@ def test_a_rerun_with_another_backend_leaves_the_run_byte_identical(tmp_path, co
     assert snapshot(run) == before
 
 
+def test_a_checkpoint_the_disk_refuses_is_one_line_and_a_rerun_goes_on(tmp_path, completed_run):
+    """A full disk, stood in for by a file-size limit below a checkpoint's size (EFBIG, as ENOSPC):
+    one line naming the file, no temporary file left, and the same command run again completes."""
+    import resource
+
+    limit = (completed_run / "checkpoints" / "step_0000002.pt").stat().st_size // 2
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    run, overrides = tmp_path / "run", ["trainer.max_steps=4", "trainer.checkpoint_every=2"]
+    result = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run}", *TINY_LM, *overrides], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=run_env(), preexec_fn=small_files)
+    assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: File too large writing {run / 'checkpoints' / 'step_0000002.pt'}: free some space (or choose a "
+        "hydra.run.dir on another disk), then rerun the same command to go on from the last checkpoint")
+    assert list((run / "checkpoints").iterdir()) == []
+    assert read_summary(run)["status"] == "failed" and "File too large" in read_summary(run)["error"]
+
+    train(run, *overrides)
+    assert read_summary(run)["status"] == "completed"
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+
+
 def test_a_run_directory_that_is_a_file(tmp_path):
     (tmp_path / "taken").write_text("a file")
     result = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'taken' / 'run'}"], cwd=ROOT,
@@ -293,7 +318,6 @@ def test_ctrl_c_exits_130_and_records_interrupted(tmp_path):
 
 
 def test_sigterm_stops_a_sweep_after_checkpointing_its_current_job(tmp_path):
-    from tests.helpers.runs import TINY_LM
 
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY_LM, "trainer.max_steps=100000",

@@ -147,7 +147,7 @@ def builtin_corpus(cache_dir: Path) -> np.ndarray:
         return np.fromfile(cache, dtype=np.uint8)
     data = b"\n".join(p.read_bytes() for p in files)
     try:
-        atomic_write(cache, lambda tmp: tmp.write_bytes(data))
+        atomic_write(cache, lambda f: f.write(data))
     except OSError as e:  # a read-only home, say: build it again next time, but run now
         log.warning("could not cache the built-in corpus in %s (%s); set data.cache_dir to a writable folder",
                     cache_dir, e)

@@ -35,7 +35,7 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def save(state: dict, directory: Path, keep: int = 1) -> Path:
     """Write state as checkpoints/step_<step>.pt atomically, then drop all but the `keep` newest."""
     path = checkpoint_path(directory, state["step"])
-    atomic_write(path, lambda tmp: torch.save({"format": FORMAT, **state}, tmp))
+    atomic_write(path, lambda f: torch.save({"format": FORMAT, **state}, f))
     for old in list_checkpoints(directory)[: -max(keep, 1)]:
         old.unlink(missing_ok=True)
         shutil.rmtree(old.with_suffix(""), ignore_errors=True)  # its engine state (DeepSpeed), if any

@@ -32,5 +32,5 @@ def grid(images: Tensor, captions: list[str], columns: int = 4, cell: int = 128)
 def save_grid(path: Path, images: Tensor, captions: list[str], columns: int = 4) -> Path:
     """Write the grid atomically (a reader never sees half a PNG)."""
     sheet = grid(images, captions, columns)
-    atomic_write(Path(path), lambda tmp: sheet.save(tmp, format="PNG"))
+    atomic_write(Path(path), lambda f: sheet.save(f, format="PNG"))
     return Path(path)

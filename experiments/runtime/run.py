@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from experiments.runtime import launch
-from experiments.runtime.errors import TrainingError, UserError
+from experiments.runtime.errors import TrainingError, UserError, storage_problem
 from experiments.runtime.files import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -207,15 +207,19 @@ class Run:
             sys.exit(128 + signal.SIGINT)
         if issubclass(exc_type, SystemExit):
             return False
-        known = issubclass(exc_type, (UserError, TrainingError))
-        message = str(exc) if known else f"{exc_type.__name__}: {exc}"
+        storage = storage_problem(exc)
+        known = issubclass(exc_type, (UserError, TrainingError)) or storage is not None
+        message = storage or (str(exc) if known else f"{exc_type.__name__}: {exc}")
         launch.report_failure(message)
         if self.earlier and not self.accepted:  # refused: the earlier run stays as it was
             self.restore_hydra_files()
             message += f" (nothing in {self.dir} was changed)"
         # the first failing rank's error, not a collective's timeout on the ranks that waited for it
         self.summary["error"] = launch.first_failure() or message
-        self.write_summary("failed", force=True)  # a failing rank records why even if rank 0 cannot
+        try:
+            self.write_summary("failed", force=True)  # a failing rank records why even if rank 0 cannot
+        except OSError as e:  # the disk that failed the run may refuse this too: say so, in the same line
+            message += f" (summary.json could not record it: {e.strerror})"
         if known:  # train.log records it; the console gets the one line below, not the log's copy too
             _to_log_file(logging.ERROR, message)
         else:  # a bug: the traceback goes to the log once (the console shows the log), Hydra adds none
