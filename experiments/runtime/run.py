@@ -103,8 +103,11 @@ class Run:
     def log_metrics(self, row: dict) -> None:
         """Append one JSON object (it must hold "step") to metrics.jsonl."""
         if self.is_main:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(row, default=float) + "\n")
+            try:
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps(row, default=float) + "\n")
+            except OSError as e:  # a full disk, say: name the file (a cut row is dropped on resume)
+                raise OSError(e.errno, e.strerror, str(self.metrics_path)) from None
 
     def truncate_metrics(self, step: int) -> None:
         """Keep only rows up to `step`: a resumed run appends from there without repeating steps."""
