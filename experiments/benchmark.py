@@ -28,6 +28,9 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from typing import Optional
+
+from experiments.config.checks import flag_error
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 BENCH = ["model.num_tokens=256", "model.dim=256", "model.depth=4", "model.heads=4", "model.dim_head=64"]
@@ -236,10 +239,12 @@ def main() -> None:
     parser.add_argument("--override", nargs="*", default=[], help="extra config overrides, e.g. model.num_fine_selected=8")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: print one JSON row
     args = parser.parse_args()
-    for name, value in (("--batch", args.batch), ("--steps", args.steps), ("--threads", args.threads),
-                        ("--repeat", args.repeat), ("--seq", min(args.seq))):
-        if value < 1:
-            parser.error(f"{name} must be at least 1, got {value}")
+    if error := flag_error({flag: ("count", value) for flag, value in (
+            ("--batch", args.batch), ("--steps", args.steps), ("--threads", args.threads), ("--repeat", args.repeat),
+            ("--seq", min(args.seq)))}):
+        parser.error(error)
+    if not args.one and (problem := config_problem(args.models, args.override)):
+        parser.error(problem)
 
     if args.one:
         run = measure_decode if args.decode else measure
@@ -275,6 +280,23 @@ def main() -> None:
     if args.plot:
         plot_scaling(table, args.plot, args)
         print(f"wrote {args.plot}")
+
+
+def config_problem(models: list[str], overrides: list[str]) -> Optional[str]:
+    """What is wrong with the models and overrides asked for, before any child is started (one line),
+    or None."""
+    from experiments.config import register
+    from experiments.config.checks import composition_error
+
+    register()
+    for name in models:
+        if name.startswith("ref:") and name not in ("ref:sinkhorn", "ref:routing"):
+            return f"--models {name}: the reference packages measured are ref:sinkhorn and ref:routing"
+        if error := composition_error(str(CONF), [*bench_overrides(name.removeprefix("ref:"), 1024), *overrides]):
+            if overrides:
+                return f"--models {name} --override {' '.join(overrides)} (for every model): {error}"
+            return f"--models {name}: {error}"
+    return None
 
 
 def median_round(runs: list[dict]) -> dict:

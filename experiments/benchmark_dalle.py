@@ -22,6 +22,8 @@ import argparse
 import json
 import sys
 
+from experiments.config.checks import flag_error
+
 TEXT_SEQ_LEN, TEXT_TOKENS, BATCH = 64, 1000, 4
 VAE = dict(image_size=64, num_layers=3, num_tokens=512, codebook_dim=256, hidden_dim=64)
 DALLE = dict(dim=256, depth=2, heads=4, dim_head=64)
@@ -92,6 +94,9 @@ def main() -> None:
                         help="our feed-forward width; 6 matches the parameters of the reference's GEGLU at 4")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one JSON row
     args = parser.parse_args()
+    if error := flag_error({"--steps": ("count", args.steps), "--threads": ("count", args.threads),
+                            "--repeat": ("count", args.repeat), "--ff-mult": ("ff_mult", args.ff_mult)}):
+        parser.error(error)
     if args.one:
         print(json.dumps(measure(args.models[0], args.steps, args.threads, args.ff_mult)))
         return

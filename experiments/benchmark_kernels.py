@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from experiments.config.checks import flag_error
 from experiments.runtime.backends import DTYPES
 
 
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--model-length", type=int, default=8192)
     args = parser.parse_args(argv)
+    if error := flag_error({"--lengths": ("count", min(args.lengths)), "--model-length": ("count", args.model_length)}):
+        parser.error(error)
     if not torch.cuda.is_available():
         print("no CUDA device here: nothing to time (the kernels are checked by `pytest -m triton`, which runs "
               "them in Triton's interpreter on the CPU)")

@@ -27,6 +27,8 @@ import json
 import time
 from pathlib import Path
 
+from experiments.config.checks import flag_error
+
 SEED_TARGET = dict(num_tokens=256, dim=512, depth=10, heads=8, dim_head=64)
 PRIME, LENGTH = 128, 512
 
@@ -137,6 +139,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median round is shown")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one JSON row
     args = parser.parse_args()
+    if error := flag_error({"--gamma": ("gamma", args.gamma), "--length": ("generate_length", args.length),
+                            "--temperature": ("temperature", args.temperature), "--primes": ("count", args.primes),
+                            "--threads": ("count", args.threads), "--repeat": ("count", args.repeat)}):
+        parser.error(error)
     if args.one:
         row = (speculative(args.run, args.gamma, args.length, args.primes, args.temperature, args.threads, args.dtype)
                if args.run else plain(args.models[0], args.threads))

@@ -49,6 +49,7 @@ CONFIG_CASES = [
     (["task.temperature=-1"], "task.temperature=-1.0 must be 0 or more"),
     (["experiment=speculative", "task.gamma=0"], "task.gamma=0 must be at least 1"),
     (["experiment=speculative", "task.distill_weight=-0.5"], "task.distill_weight=-0.5 must be 0 or more"),
+    (["experiment=passkey", "task.context_weight=-1"], "task.context_weight=-1.0 must be 0 or more"),
     (["experiment=dalle", "task.filter_thres=1.5"], "task.filter_thres=1.5 must lie in [0, 1)"),
     (["experiment=dalle", "task.vae_steps=-1"], "task.vae_steps=-1 must be 0 or more"),
     (["experiment=dalle", "vae.num_tokens=0"], "vae.num_tokens=0 must be at least 1"),
@@ -201,6 +202,41 @@ def test_tool_flags_are_refused_before_loading(tmp_path, module, argv, message):
     with redirect_stderr(err):
         status = importlib.import_module(module).main([str(tmp_path / "no-run") if a == "RUN" else a for a in argv])
     assert status == 2 and message in err.getvalue() and err.getvalue().count("\n") == 1
+
+
+BENCHMARK_CASES = [
+    (["foo"], [], "--models foo: In 'config': Could not find 'model/foo'; Available options in 'model'"),
+    (["ref:foo"], [], "--models ref:foo: the reference packages measured are ref:sinkhorn and ref:routing"),
+    (["nsa"], ["model.num_fine_selectd=3"], "--models nsa --override model.num_fine_selectd=3 (for every model): Could"),
+    (["nsa", "transformer"], ["model.num_fine_selected=8"],
+     "--models transformer --override model.num_fine_selected=8 (for every model): Could not override"),
+]
+
+
+BENCHMARK_FLAG_CASES = [
+    ("experiments.benchmark", ["--seq", "1024", "0", "--repeat", "0"], "--repeat=0 must be at least 1; --seq=0 must"),
+    ("experiments.benchmark_speculative", ["--gamma", "0", "--primes", "0"], "--gamma=0 must be at least 1; --primes"),
+    ("experiments.benchmark_speculative", ["--temperature", "-1"], "--temperature=-1.0 must be 0 or more"),
+    ("experiments.benchmark_dalle", ["--steps", "0", "--ff-mult", "0"], "--steps=0 must be at least 1; --ff-mult=0.0 "
+                                                                        "must be positive"),
+    ("experiments.benchmark_kernels", ["--model-length", "-1"], "--model-length=-1 must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("module,argv,message", BENCHMARK_FLAG_CASES, ids=[" ".join(c[1]) for c in BENCHMARK_FLAG_CASES])
+def test_benchmark_flags_are_refused_before_measuring(module, argv, message):
+    result = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env=run_env())
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"{module.split('.')[1]}.py: error: {message}")
+
+
+@pytest.mark.parametrize("models,overrides,message", BENCHMARK_CASES, ids=[c[2][:24] for c in BENCHMARK_CASES])
+def test_benchmark_models_and_overrides_are_refused_before_measuring(models, overrides, message):
+    from experiments.benchmark import config_problem
+
+    assert config_problem(models, overrides).startswith(message)
+    assert config_problem(["nsa", "transformer", "ref:sinkhorn"], ["model.depth=2"]) is None
 
 
 def test_tools_name_a_missing_run(tmp_path):
