@@ -365,6 +365,7 @@ class SpeculativeTaskConfig(LanguageModelTaskConfig):
 class RecallTaskConfig:
     _target_: str = "experiments.tasks.recall.RecallTask"
     num_samples: int = MISSING  # validation items written to samples/ at each generation
+    context_weight: float = MISSING  # weight of a next-token loss on every other token (0: answers alone)
 
 
 @dataclass

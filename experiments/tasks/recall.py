@@ -21,8 +21,9 @@ from models.transformer import IGNORE, TransformerLM
 class RecallTask(Task):
     name = "recall"
 
-    def __init__(self, num_samples: int):
+    def __init__(self, num_samples: int, context_weight: float):
         self.num_samples = num_samples
+        self.context_weight = context_weight
 
     def setup(self, nets):
         data = self.ctx.data
@@ -51,8 +52,16 @@ class RecallTask(Task):
     def loss(self, member: Member, batch):
         inputs, targets = batch
         answer = targets != IGNORE
-        logits = member.trainee.forward(inputs, at=answer)  # [answers, vocab]: the output layer nowhere else
-        return F.cross_entropy(logits.float(), targets[answer]) + member.model.aux_loss(), {}
+        aux = member.model.aux_loss()
+        if not self.context_weight:
+            logits = member.trainee.forward(inputs, at=answer)  # [answers, vocab]: the output layer nowhere else
+            return F.cross_entropy(logits.float(), targets[answer]) + aux, {}
+        # every position predicts its next token; the answers' targets are the data's own
+        logits = member.trainee.forward(inputs).float()
+        following = torch.cat((inputs[:, 1:], targets[:, -1:]), dim=1)
+        answer_loss = F.cross_entropy(logits[answer], targets[answer])
+        context_loss = F.cross_entropy(logits[~answer], following[~answer])
+        return answer_loss + self.context_weight * context_loss + aux, {"context_loss": context_loss.item()}
 
     def validation_metrics(self, member: Member) -> dict[str, float]:
         tr, backend, data = self.ctx.trainer, self.ctx.backend, self.ctx.data

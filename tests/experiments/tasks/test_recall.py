@@ -37,3 +37,39 @@ def test_a_passkey_run_reports_accuracy_per_depth(tmp_path):
               "trainer.log_every=1", "trainer.progress=false", "trainer.threads=1", "tracker=none"])
     summary = read_summary(run)
     assert {"val_accuracy", "val_accuracy_depth0", "val_accuracy_depth1"} <= set(summary)
+
+
+class _Bigram(torch.nn.Module):
+    """Logits from the current token alone: a stand-in LM with the `at` argument of ours."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab))
+
+    def forward(self, inputs, at=None):
+        logits = self.table[inputs]
+        return logits if at is None else logits[at]
+
+    def aux_loss(self):
+        return 0.0
+
+
+def test_the_context_weight_adds_next_token_loss_on_every_other_position():
+    import torch.nn.functional as F
+    from types import SimpleNamespace
+
+    from experiments.tasks.recall import RecallTask
+
+    torch.manual_seed(0)
+    net = _Bigram(10)
+    member = SimpleNamespace(trainee=net, model=net)
+    inputs = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    targets = torch.tensor([[I, I, I, 9], [I, 7, I, 0]])  # answers: (0, 3) -> 9, (1, 1) -> 7, (1, 3) -> 0
+    answers = F.cross_entropy(net.table[torch.tensor([4, 6, 8])], torch.tensor([9, 7, 0]))
+    # the others predict the next input: 1->2, 2->3, 3->4 and 5->6, 7->8
+    context = F.cross_entropy(net.table[torch.tensor([1, 2, 3, 5, 7])], torch.tensor([2, 3, 4, 6, 8]))
+
+    loss, _ = RecallTask(num_samples=1, context_weight=0.0).loss(member, (inputs, targets))
+    assert torch.allclose(loss, answers)
+    loss, extras = RecallTask(num_samples=1, context_weight=0.5).loss(member, (inputs, targets))
+    assert torch.allclose(loss, answers + 0.5 * context) and extras["context_loss"] == context.item()
