@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # small enough for many trials, long enough (several checkpoints and validations) to be hit mid-way
 BASE = [
     "model=transformer", "model.dim=32", "model.depth=1", "model.heads=2", "model.dim_head=16",
-    "data.seq_len=32", "trainer.batch_size=2", "trainer.max_steps=40", "trainer.checkpoint_every=4",
-    "trainer.keep_checkpoints=2", "trainer.validate_every=10", "trainer.val_batches=2", "trainer.log_every=1",
+    "data.seq_len=32", "trainer.batch_size=2", "trainer.max_steps=200", "trainer.checkpoint_every=4",
+    "trainer.keep_checkpoints=2", "trainer.validate_every=20", "trainer.val_batches=2", "trainer.log_every=1",
     "trainer.progress=false", "trainer.threads=1", "task.prime_length=8", "task.generate_length=8", "tracker=none",
 ]
 SIGNALS = [signal.SIGKILL] * 6 + [signal.SIGTERM, signal.SIGINT]  # mostly the kill nothing can catch
@@ -154,7 +154,7 @@ def main() -> None:
         print(f"reference: {len(rows_by_step(reference)[0])} training steps; first row after {startup:.1f} s, "
               f"{wall:.1f} s in all")
 
-        rng, failed = random.Random(args.seed), 0
+        rng, failed, sent, stopped = random.Random(args.seed), 0, 0, 0
         for trial in range(args.trials):
             run_dir = Path(tmp) / f"trial{trial:03d}"
             kills, found = [], []
@@ -163,6 +163,7 @@ def main() -> None:
                 sig = rng.choice(SIGNALS)
                 code, status = interrupt(run_dir, args.overrides, after_s, sig)
                 kills.append(f"{sig.name}@{after_s:.1f}s->{code}/{status}")
+                sent, stopped = sent + 1, stopped + (code != 0)  # 0: the run had ended before the signal
                 if sig != signal.SIGKILL and status == "interrupted" and code != 128 + sig:
                     found.append(f"{sig.name} recorded 'interrupted' but exited {code}, not {128 + sig}")
             result = run_to_end(run_dir, args.overrides)
@@ -174,7 +175,8 @@ def main() -> None:
             print(f"trial {trial:3d}  {'FAIL' if found else 'ok  '}  {' '.join(kills)}")
             for line in found:
                 print(f"           {line}")
-        print(f"{args.trials - failed} of {args.trials} trials resumed exactly")
+        print(f"{args.trials - failed} of {args.trials} trials resumed exactly; {stopped} of the {sent} signals "
+              "stopped a run (the others came after it had ended)")
         sys.exit(1 if failed else 0)
 
 
