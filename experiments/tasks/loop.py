@@ -126,7 +126,9 @@ class Loop:
             if (tr.validate_every and step % tr.validate_every == 0) or last or stage_ends:
                 self._validate(step, active)
             if (tr.generate_every and step % tr.generate_every == 0) or last or stage_ends:
+                t0 = time.perf_counter()
                 self.task.sample(step)
+                log.info("step %d | samples written in %.1f s", step, time.perf_counter() - t0)
             if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or last or stopping or stage_ends:
                 self._checkpoint(step)
             if stage_ends:  # tokens/s and MFU in the summary are the last stage's
