@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from experiments.config.checks import flag_error
+from experiments.config import register
+from experiments.config.checks import composition_error, flag_error
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 BENCH = ["model.num_tokens=256", "model.dim=256", "model.depth=4", "model.heads=4", "model.dim_head=64"]
@@ -285,9 +286,6 @@ def main() -> None:
 def config_problem(models: list[str], overrides: list[str]) -> Optional[str]:
     """What is wrong with the models and overrides asked for, before any child is started (one line),
     or None."""
-    from experiments.config import register
-    from experiments.config.checks import composition_error
-
     register()
     for name in models:
         if name.startswith("ref:") and name not in ("ref:sinkhorn", "ref:routing"):

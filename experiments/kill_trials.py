@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments.config.checks import flag_error
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # small enough for many trials, long enough (several checkpoints and validations) to be hit mid-way
@@ -145,8 +147,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("overrides", nargs="*", help="train.py overrides (after --) for every run")
     args = parser.parse_args()
-    if args.trials < 1:
-        parser.exit(2, f"error: --trials={args.trials} must be at least 1\n")
+    if error := flag_error({"--trials": ("count", args.trials)}):
+        parser.error(error)
 
     with tempfile.TemporaryDirectory(prefix="kill-trials-") as tmp:
         reference = Path(tmp) / "reference"

@@ -1,8 +1,11 @@
 """The recall task: accuracy over answers on hand-made predictions, and a whole run that reports it."""
 
-import torch
+from types import SimpleNamespace
 
-from experiments.tasks.recall import answer_accuracy
+import torch
+import torch.nn.functional as F
+
+from experiments.tasks.recall import RecallTask, answer_accuracy
 from models.transformer import IGNORE
 from tests.helpers.runs import read_metrics, read_summary, train
 
@@ -55,11 +58,6 @@ class _Bigram(torch.nn.Module):
 
 
 def test_the_context_weight_adds_next_token_loss_on_every_other_position():
-    import torch.nn.functional as F
-    from types import SimpleNamespace
-
-    from experiments.tasks.recall import RecallTask
-
     torch.manual_seed(0)
     net = _Bigram(10)
     member = SimpleNamespace(trainee=net, model=net)
