@@ -119,6 +119,23 @@ def test_foreign_checkpoint_is_refused(tmp_path):
     assert "not written by this project" in _fails(tmp_path / "run", f"trainer.resume={foreign}")
 
 
+@pytest.mark.slow
+def test_a_run_started_from_other_weights_resumes_its_own_checkpoints_after_a_kill(tmp_path):
+    train(tmp_path / "short", "trainer.max_steps=2")  # weights to start from, at another seq_len
+    steps = [f"trainer.resume={tmp_path / 'short'}", "data.seq_len=16", "trainer.max_steps=40",
+             "trainer.checkpoint_every=5", "trainer.validate_every=0"]
+    train(tmp_path / "whole", *steps)
+    kill_after_first_checkpoint(tmp_path / "killed", *steps)
+    killed_at = len(losses(tmp_path / "killed"))
+    result = train(tmp_path / "killed", *steps)  # the same command: its own checkpoints, not the start weights
+    assert killed_at < 40, "the run finished before it could be killed"
+    assert "continuing them" in (tmp_path / "killed" / "train.log").read_text(), result.stderr
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "killed")
+    assert [r["step"] for r in read_metrics(tmp_path / "killed") if "loss" in r] == list(range(1, 41))
+    for step in whole:
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-6, abs=1e-7), step
+
+
 def test_resuming_with_another_model_is_refused_without_losing_anything(tmp_path):
     run = tmp_path / "run"
     train(run, "trainer.max_steps=2")

@@ -221,15 +221,24 @@ class Loop:
                 )
             return None, None
         path = own if spec == "auto" else checkpoint.resolve(spec)
+        if own is not None and path.parent != self.run.checkpoint_dir:
+            # started from other weights and stopped since: the same command goes on from its own
+            # checkpoints, never back to the weights it started from
+            log.info("%s holds this run's own checkpoints: continuing them, not %s", self.run.dir, path)
+            path = own
         if path is None:
             return None, None
         return path, checkpoint.load(path, map_location="cpu")
+
+    def _continues(self, path) -> bool:
+        """Whether the checkpoint is this run's own (continued exactly), not weights from elsewhere."""
+        return path.parent == self.run.checkpoint_dir
 
     def _restore(self, path, state) -> int:
         """Continue from the loaded checkpoint (weights are in already); returns the start step."""
         if state is None:
             return 0
-        if self.trainer.resume != "auto" and path.parent != self.run.checkpoint_dir:  # weights from elsewhere
+        if not self._continues(path):  # weights from elsewhere
             log.info("initialised the model from %s", path)
             return 0
         self.backend.load_checkpoint_state([m.trainee for m in self.members], state, path)
@@ -252,7 +261,7 @@ class Loop:
             for key in sorted(set(saved.get(section) or {}) | set(current.get(section) or {}))
             if _comparable(saved.get(section), key) != _comparable(current.get(section), key)
         ]
-        if differ and self.trainer.resume == "auto":
+        if differ and self._continues(path):
             raise UserError(
                 f"{path} was trained with a different config ({', '.join(differ)} differ), so this run "
                 "cannot continue it: use a new hydra.run.dir, or pass the same overrides as before"
