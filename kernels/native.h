@@ -78,6 +78,36 @@ INLINE void tile_scores(float *scores, const float *q, const float *tiles, int64
     }
 }
 
+/* tile_scores for nh = 1 or 2 query heads at once (nh a constant after inlining): each key tile is
+ * loaded once for both heads, two partial sums per head, so that two heads fit the registers of
+ * AVX2 as well as AVX-512. */
+INLINE void tile_scores_heads(float *const *scores, const float *const *q, const int nh, const float *tiles,
+                              int64_t d, int64_t lo, int64_t hi, float scale) {
+    for (int64_t t0 = lo - lo % TILE; t0 < hi; t0 += TILE) {
+        const float *tile = tiles + t0 * d;
+        float acc[2][2][TILE] = {{{0.0f}}};
+        int64_t e = 0;
+        for (; e + 2 <= d; e += 2) {
+            for (int u = 0; u < 2; u++) {
+                for (int h = 0; h < nh; h++) {
+                    const float qe = q[h][e + u];
+#pragma omp simd
+                    for (int l = 0; l < TILE; l++) acc[h][u][l] += qe * tile[(e + u) * TILE + l];
+                }
+            }
+        }
+        for (; e < d; e++) {
+            for (int h = 0; h < nh; h++) {
+#pragma omp simd
+                for (int l = 0; l < TILE; l++) acc[h][0][l] += q[h][e] * tile[e * TILE + l];
+            }
+        }
+        const int64_t first = t0 < lo ? lo - t0 : 0, last = t0 + TILE > hi ? hi - t0 : TILE;
+        for (int h = 0; h < nh; h++)
+            for (int64_t l = first; l < last; l++) scores[h][t0 + l - lo] = scale * (acc[h][0][l] + acc[h][1][l]);
+    }
+}
+
 /* One thread's share: rows first, first + step, ... below last. */
 typedef struct {
     const void *problem;

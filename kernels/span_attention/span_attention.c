@@ -4,6 +4,8 @@
  * Everything of one query stays in cache: its scores are computed from the keys where they lie,
  * without gathering them, and its softmax, output and gradients follow in the same pass. The
  * backward recomputes the probabilities from the saved log-sum-exp, as flash attention does.
+ * The heads of a GQA group go in pairs: each key and value is read, and each key and value
+ * gradient written, once for both heads of a pair.
  * Rows (one query position of one batch * kv head) are split evenly over POSIX threads; each
  * thread adds its key and value gradients into a buffer of its own, which the caller sums.
  *
@@ -28,9 +30,15 @@ typedef struct {
     float scale;
 } Problem;
 
-INLINE void axpy(float *y, float a, const float *x, int64_t d) {
+/* y += a[0] x[0] (+ a[1] x[1] when nh = 2): one read and write of y for both heads */
+INLINE void axpy_heads(float *y, const float *a, const float *const *x, const int nh, int64_t d) {
+    if (nh == 2) {
 #pragma omp simd
-    for (int64_t e = 0; e < d; e++) y[e] += a * x[e];
+        for (int64_t e = 0; e < d; e++) y[e] += a[0] * x[0][e] + a[1] * x[1][e];
+    } else {
+#pragma omp simd
+        for (int64_t e = 0; e < d; e++) y[e] += a[0] * x[0][e];
+    }
 }
 
 static inline float slot_weight(const Problem *p, int64_t row, int64_t s) {
@@ -41,142 +49,183 @@ static inline const int32_t *row_spans(const Problem *p, int64_t b, int64_t i) {
     return p->spans + ((p->spans_shared ? 0 : b * p->m) + i) * p->S * 2;
 }
 
-/* out[0..d) = sum over the spans' keys j (in order, c counting them) of coef[c] * rows[j]: the sum
- * stays in vector registers (when d is a constant multiple of TILE after inlining) instead of
- * going through memory once per key. */
-INLINE void weighted_rows(float *out, const float *coef, const int32_t *span,
-                                                                int64_t S, const float *rows, int64_t d) {
+/* out[h][0..d) = sum over the spans' keys j (in order, c counting them) of coef[h][c] * rows[j], for
+ * nh = 1 or 2 heads in one pass over the rows: the sums stay in vector registers (when d is a
+ * constant multiple of TILE after inlining) instead of going through memory once per key. */
+INLINE void weighted_rows(float *const *out, const float *const *coef, const int nh, const int32_t *span,
+                          int64_t S, const float *rows, int64_t d) {
     if (d % TILE || d > MAX_DIM) { /* any other width: plain multiply-adds */
-        memset(out, 0, d * sizeof(float));
+        for (int h = 0; h < nh; h++) memset(out[h], 0, d * sizeof(float));
         int64_t c = 0;
         for (int64_t s = 0; s < S; s++)
-            for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) axpy(out, coef[c], rows + j * d, d);
+            for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++)
+                for (int h = 0; h < nh; h++) {
+                    const float a = coef[h][c], *x = rows + j * d;
+                    float *y = out[h];
+#pragma omp simd
+                    for (int64_t e = 0; e < d; e++) y[e] += a * x[e];
+                }
         return;
     }
-    vec acc[MAX_DIM / TILE];
-    for (int64_t x = 0; x < d / TILE; x++) acc[x] = (vec){0};
+    vec acc[2][MAX_DIM / TILE];
+    for (int h = 0; h < nh; h++)
+        for (int64_t x = 0; x < d / TILE; x++) acc[h][x] = (vec){0};
     int64_t c = 0;
     for (int64_t s = 0; s < S; s++) {
         for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) {
             const float *row = rows + j * d;
-            for (int64_t x = 0; x < d / TILE; x++) acc[x] += coef[c] * *(const vec *)(row + x * TILE);
+            for (int64_t x = 0; x < d / TILE; x++) {
+                const vec r = *(const vec *)(row + x * TILE);
+                for (int h = 0; h < nh; h++) acc[h][x] += coef[h][c] * r;
+            }
         }
     }
-    for (int64_t x = 0; x < d / TILE; x++) *(vec *)(out + x * TILE) = acc[x];
+    for (int h = 0; h < nh; h++)
+        for (int64_t x = 0; x < d / TILE; x++) *(vec *)(out[h] + x * TILE) = acc[h][x];
 }
 
-/* Scores of one query head over its spans, into scores[0..count); returns count. */
-INLINE int64_t head_scores(const Problem *p, const int32_t *span, const float *q,
-                                                                 const float *keys_t, float *scores, const int64_t d) {
+/* Scores of nh query heads over the spans, into scores[h][0..count); returns count. */
+INLINE int64_t span_scores(const Problem *p, const int32_t *span, const float *const *q, const int nh,
+                           const float *keys_t, float *const *scores, float scale, const int64_t d) {
     int64_t count = 0;
     for (int64_t s = 0; s < p->S; s++) {
         const int64_t lo = span[2 * s], hi = span[2 * s + 1];
         if (hi <= lo) continue;
-        tile_scores(scores + count, q, keys_t, d, lo, hi, p->scale);
+        float *at[2] = {scores[0] + count, nh == 2 ? scores[1] + count : NULL};
+        tile_scores_heads(at, q, nh, keys_t, d, lo, hi, scale);
         count += hi - lo;
     }
     return count;
 }
 
-INLINE void forward_row_of(const Problem *p, int64_t b, int64_t i, float *scores,
-                                                                  const int64_t d) {
-    const int64_t g = p->g, m = p->m, row = b * m + i;
+/* Query i of batch * kv head b, for its heads h0 .. h0 + nh - 1 (nh = 1 or 2): each key and value is
+ * read once for both heads of a pair. `scores` holds 2 * (max_keys + 1) floats. */
+INLINE void forward_heads(const Problem *p, int64_t b, int64_t i, int64_t h0, const int nh, float *scores,
+                          const int64_t d) {
+    const int64_t m = p->m, row = b * m + i, stride = p->max_keys + 1;
     const int32_t *span = row_spans(p, b, i);
     const float *keys_t = p->k_t + b * p->n_tiled * d, *values = p->v + b * p->n * d;
-    for (int64_t h = 0; h < g; h++) {
-        const int64_t head_row = (b * g + h) * m + i;
-        float *out = p->out + head_row * d;
-        const int64_t count = head_scores(p, span, p->q + head_row * d, keys_t, scores, d);
-        if (count == 0) { /* nothing visible: zeros, and a log-sum-exp of -inf */
-            memset(out, 0, d * sizeof(float));
-            p->lse[head_row] = -INFINITY;
-            continue;
+    int64_t head_row[2];
+    const float *q[2];
+    float *out[2], *probs[2];
+    for (int h = 0; h < nh; h++) {
+        head_row[h] = (b * p->g + h0 + h) * m + i;
+        q[h] = p->q + head_row[h] * d;
+        out[h] = p->out + head_row[h] * d;
+        probs[h] = scores + h * stride;
+    }
+    const int64_t count = span_scores(p, span, q, nh, keys_t, probs, p->scale, d);
+    if (count == 0) { /* nothing visible: zeros, and a log-sum-exp of -inf */
+        for (int h = 0; h < nh; h++) {
+            memset(out[h], 0, d * sizeof(float));
+            p->lse[head_row[h]] = -INFINITY;
         }
+        return;
+    }
+    for (int h = 0; h < nh; h++) {
         float total;
-        p->lse[head_row] = exp_less_max(scores, count, &total);
-        const float gate = p->gate ? p->gate[head_row] : 1.0f;
+        p->lse[head_row[h]] = exp_less_max(probs[h], count, &total);
+        const float gate = p->gate ? p->gate[head_row[h]] : 1.0f;
         int64_t c = 0;
         for (int64_t s = 0; s < p->S; s++) {
             const float w = gate * slot_weight(p, row, s) / total;
-            for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) scores[c] *= w;
+            for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) probs[h][c] *= w;
         }
-        weighted_rows(out, scores, span, p->S, values, d);
     }
+    weighted_rows(out, (const float *const *)probs, nh, span, p->S, values, d);
 }
 
-INLINE void backward_row_of(const Problem *p, int64_t b, int64_t i, int thread,
-                                                                   float *probs, float *dprobs, const int64_t d) {
-    const int64_t g = p->g, m = p->m, n = p->n, row = b * m + i;
+/* The backward of forward_heads. `buffer` holds 4 * (max_keys + 1) floats. */
+INLINE void backward_heads(const Problem *p, int64_t b, int64_t i, int64_t h0, const int nh, int thread,
+                           float *buffer, const int64_t d) {
+    const int64_t m = p->m, n = p->n, row = b * m + i, stride = p->max_keys + 1;
     const int32_t *span = row_spans(p, b, i);
     const float *keys = p->k + b * n * d, *keys_t = p->k_t + b * p->n_tiled * d, *values_t = p->v_t + b * p->n_tiled * d;
     float *dk = p->dk + (thread * p->bh + b) * n * d, *dv = p->dv + (thread * p->bh + b) * n * d;
-    for (int64_t h = 0; h < g; h++) {
-        const int64_t head_row = (b * g + h) * m + i;
-        const float *q = p->q + head_row * d, *dout = p->dout + head_row * d;
-        float *dq = p->dq + head_row * d;
-        const float lse = p->lse[head_row];
-        if (lse == -INFINITY) { /* nothing visible: the output was 0 */
-            memset(dq, 0, d * sizeof(float));
-            if (p->dgate) p->dgate[head_row] = 0.0f;
-            continue;
+    int64_t head_row[2];
+    const float *q[2], *dout[2];
+    float *dq[2], *probs[2], *dprobs[2], gate[2], delta[2];
+    for (int h = 0; h < nh; h++) {
+        head_row[h] = (b * p->g + h0 + h) * m + i;
+        q[h] = p->q + head_row[h] * d;
+        dout[h] = p->dout + head_row[h] * d;
+        dq[h] = p->dq + head_row[h] * d;
+        probs[h] = buffer + h * stride;
+        dprobs[h] = buffer + (2 + h) * stride;
+        gate[h] = p->gate ? p->gate[head_row[h]] : 1.0f;
+    }
+    if (p->lse[head_row[0]] == -INFINITY) { /* nothing visible (for every head): the output was 0 */
+        for (int h = 0; h < nh; h++) {
+            memset(dq[h], 0, d * sizeof(float));
+            if (p->dgate) p->dgate[head_row[h]] = 0.0f;
         }
-        const int64_t count = head_scores(p, span, q, keys_t, probs, d);
+        return;
+    }
+    const int64_t count = span_scores(p, span, q, nh, keys_t, probs, p->scale, d);
+    span_scores(p, span, dout, nh, values_t, dprobs, 1.0f, d); /* dP = dO . v_j, along the keys as the scores */
+    for (int h = 0; h < nh; h++) {
+        const float lse = p->lse[head_row[h]];
 #pragma omp simd
-        for (int64_t c = 0; c < count; c++) probs[c] = exp_nonpositive(probs[c] - lse);
-        /* dP = dO . v_j for every key, along the keys as the scores are */
-        int64_t c = 0;
-        for (int64_t s = 0; s < p->S; s++) {
-            const int64_t lo = span[2 * s], hi = span[2 * s + 1];
-            if (hi <= lo) continue;
-            tile_scores(dprobs + c, dout, values_t, d, lo, hi, 1.0f);
-            c += hi - lo;
-        }
+        for (int64_t c = 0; c < count; c++) probs[h][c] = exp_nonpositive(probs[h][c] - lse);
         /* dS = P * (dP' - sum(P * dP') + dlse), dP' = gate * w * dP: the slot weights scale each
          * share, the gate the whole output (its gradient is dO . the ungated output) */
-        const float gate = p->gate ? p->gate[head_row] : 1.0f;
-        float delta = p->dlse ? -p->dlse[head_row] : 0.0f, gate_grad = 0.0f;
-        c = 0;
+        float gate_grad = 0.0f;
+        delta[h] = p->dlse ? -p->dlse[head_row[h]] : 0.0f;
+        int64_t c = 0;
         for (int64_t s = 0; s < p->S; s++) {
             const float w = slot_weight(p, row, s);
             float slot_grad = 0.0f;
             for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) {
-                slot_grad += probs[c] * dprobs[c];
-                dprobs[c] *= gate * w;
-                delta += probs[c] * dprobs[c];
+                slot_grad += probs[h][c] * dprobs[h][c];
+                dprobs[h][c] *= gate[h] * w;
+                delta[h] += probs[h][c] * dprobs[h][c];
             }
             gate_grad += w * slot_grad;
-            if (p->dweights) p->dweights[row * p->S + s] += gate * slot_grad;
+            if (p->dweights) p->dweights[row * p->S + s] += gate[h] * slot_grad;
         }
-        if (p->dgate) p->dgate[head_row] = gate_grad;
-        c = 0;
-        for (int64_t s = 0; s < p->S; s++) {
-            const float w = gate * slot_weight(p, row, s);
-            for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) {
-                const float dscore = probs[c] * (dprobs[c] - delta) * p->scale;
-                axpy(dk + j * d, dscore, q, d);
-                axpy(dv + j * d, w * probs[c], dout, d);
-                dprobs[c] = dscore;
-            }
-        }
-        weighted_rows(dq, dprobs, span, p->S, keys, d);
+        if (p->dgate) p->dgate[head_row[h]] = gate_grad;
     }
+    int64_t c = 0;
+    for (int64_t s = 0; s < p->S; s++) {
+        const float w = slot_weight(p, row, s);
+        for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) {
+            float dscore[2], share[2];
+            for (int h = 0; h < nh; h++) {
+                dscore[h] = probs[h][c] * (dprobs[h][c] - delta[h]) * p->scale;
+                share[h] = gate[h] * w * probs[h][c];
+                dprobs[h][c] = dscore[h];
+            }
+            axpy_heads(dk + j * d, dscore, q, nh, d);
+            axpy_heads(dv + j * d, share, dout, nh, d);
+        }
+    }
+    weighted_rows(dq, (const float *const *)dprobs, nh, span, p->S, keys, d);
 }
 
-/* Each row's work specialized for the common head width (loops unrolled, sums in registers) */
+/* Each row's heads in pairs (an odd group's last head alone), specialized for the common head
+ * width (loops unrolled, sums in registers) */
+#define EACH_HEAD_PAIR(call_pair, call_one)       \
+    for (int64_t h = 0; h < p->g; h += 2) {        \
+        if (h + 1 < p->g) call_pair; else call_one; \
+    }
+
 static void forward_row(const Problem *p, int64_t b, int64_t i, float *scores) {
-    if (p->d == 64) forward_row_of(p, b, i, scores, 64);
-    else forward_row_of(p, b, i, scores, p->d);
+    if (p->d == 64) EACH_HEAD_PAIR(forward_heads(p, b, i, h, 2, scores, 64), forward_heads(p, b, i, h, 1, scores, 64))
+    else EACH_HEAD_PAIR(forward_heads(p, b, i, h, 2, scores, p->d), forward_heads(p, b, i, h, 1, scores, p->d))
 }
 
-static void backward_row(const Problem *p, int64_t b, int64_t i, int thread, float *probs, float *dprobs) {
-    if (p->d == 64) backward_row_of(p, b, i, thread, probs, dprobs, 64);
-    else backward_row_of(p, b, i, thread, probs, dprobs, p->d);
+static void backward_row(const Problem *p, int64_t b, int64_t i, int thread, float *buffer) {
+    if (p->d == 64)
+        EACH_HEAD_PAIR(backward_heads(p, b, i, h, 2, thread, buffer, 64), backward_heads(p, b, i, h, 1, thread, buffer, 64))
+    else
+        EACH_HEAD_PAIR(backward_heads(p, b, i, h, 2, thread, buffer, p->d),
+                       backward_heads(p, b, i, h, 1, thread, buffer, p->d))
 }
 
 static void *forward_work(void *arg) {
     Work *work = arg;
     const Problem *p = work->problem;
-    float *scores = malloc((size_t)(p->max_keys + 1) * sizeof(float));
+    float *scores = malloc((size_t)2 * (p->max_keys + 1) * sizeof(float));
     if (!scores) { work->failed = 1; return NULL; }
     for (int64_t r = work->first; r < work->last; r += work->step) forward_row(p, r / p->m, r % p->m, scores);
     free(scores);
@@ -186,10 +235,9 @@ static void *forward_work(void *arg) {
 static void *backward_work(void *arg) {
     Work *work = arg;
     const Problem *p = work->problem;
-    float *buffer = malloc((size_t)(2 * p->max_keys + 2) * sizeof(float));
+    float *buffer = malloc((size_t)4 * (p->max_keys + 1) * sizeof(float));
     if (!buffer) { work->failed = 1; return NULL; }
-    for (int64_t r = work->first; r < work->last; r += work->step)
-        backward_row(p, r / p->m, r % p->m, work->thread, buffer, buffer + p->max_keys + 1);
+    for (int64_t r = work->first; r < work->last; r += work->step) backward_row(p, r / p->m, r % p->m, work->thread, buffer);
     free(buffer);
     return NULL;
 }

@@ -55,6 +55,17 @@ def test_shared_spans_match_the_definition(m, d):
     check(q, k, v, window_and_blocks(m, window=7, block=4))
 
 
+@pytest.mark.parametrize("d", [24, 64])
+@pytest.mark.parametrize("g", [1, 3, 4])  # the kernel takes heads in pairs: one alone, a pair and one, two pairs
+def test_every_group_size_with_weights_gates_and_an_empty_row(g, d):
+    q, k, v = inputs(bh=2, g=g, m=33, d=d)
+    gen = torch.Generator().manual_seed(3)
+    spans = window_and_blocks(33, window=5, block=3).expand(2, 33, 3, 2).clone()
+    spans[1, 9] = 0  # a query that sees nothing
+    weights = 1 + torch.rand(2, 33, 3, generator=gen, dtype=torch.float64)
+    check(q, k, v, spans, weights, torch.rand(2, g, 33, generator=gen, dtype=torch.float64))
+
+
 def test_per_row_spans_with_empty_rows_and_slots():
     q, k, v = inputs(bh=2, m=37)
     spans = window_and_blocks(37, window=5, block=3).expand(2, 37, 3, 2).clone()
