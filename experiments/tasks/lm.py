@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from experiments.data.draws import step_generator
 from experiments.runtime.errors import UserError
-from experiments.runtime.throughput import training_flops_per_token
 from experiments.tasks.task import Member, Task
 from models.sampling import generate
 from models.transformer import IGNORE, TransformerLM
@@ -40,12 +39,6 @@ class LanguageModelTask(Task):
         if self.prime_length >= seq_len:
             raise UserError(f"task.prime_length={self.prime_length} must be shorter than data.seq_len={seq_len}")
         return nets
-
-    def tokens_per_sample(self, prefix: str) -> int:
-        return self.ctx.data.seq_len
-
-    def flops_per_token(self, prefix, net) -> float:
-        return training_flops_per_token(net, self.ctx.data.seq_len, self.ctx.backend.device)
 
     def micro_batch(self, step: int, micro: int):
         tr, backend = self.ctx.trainer, self.ctx.backend

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from experiments.runtime.errors import UserError
-from experiments.runtime.throughput import training_flops_per_token
 from experiments.tasks.task import Member, Task
 from models.transformer import IGNORE, TransformerLM
 
@@ -36,12 +35,6 @@ class RecallTask(Task):
                 raise UserError(f"model.num_tokens={net.num_tokens} is smaller than the data's vocabulary "
                                 f"({data.vocab_size}): set model.num_tokens={data.vocab_size}")
         return nets
-
-    def tokens_per_sample(self, prefix: str) -> int:
-        return self.ctx.data.seq_len
-
-    def flops_per_token(self, prefix, net) -> float:
-        return training_flops_per_token(net, self.ctx.data.seq_len, self.ctx.backend.device)
 
     def micro_batch(self, step: int, micro: int):
         tr, backend = self.ctx.trainer, self.ctx.backend

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from experiments.runtime.backends import Trainee
+from experiments.runtime.throughput import training_flops_per_token
 
 
 @dataclass
@@ -79,10 +80,12 @@ class Task:
         raise NotImplementedError
 
     def tokens_per_sample(self, prefix: str) -> int:
-        raise NotImplementedError
+        """A sequence task's: every position of data.seq_len (image tasks count otherwise)."""
+        return self.ctx.data.seq_len
 
     def flops_per_token(self, prefix: str, net: nn.Module) -> float:
-        raise NotImplementedError
+        """A sequence model's training FLOPs per position at data.seq_len."""
+        return training_flops_per_token(net, self.ctx.data.seq_len, self.ctx.backend.device)
 
     # ---- stages (a task that trains its members one after another overrides these)
 
