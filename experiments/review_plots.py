@@ -85,6 +85,29 @@ def _section(config: dict, dotted: str):
     return config if config != {} else None
 
 
+def recall_by_width(plt, points: dict):
+    """points {seq_len: {attention: {dim: accuracy}}} -> a figure of one panel per seq_len; each
+    attention keeps its colour in every panel, and one legend names them all."""
+    lengths = sorted(points, key=lambda s: (s is None, s))
+    names = sorted({model for by_model in points.values() for model in by_model})
+    colours = {model: f"C{i % 10}" for i, model in enumerate(names)}
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 4), squeeze=False)
+    for ax, seq in zip(axes[0], lengths):
+        for model, by_dim in sorted(points[seq].items()):
+            dims = sorted(d for d in by_dim if d is not None)
+            ax.plot(dims, [by_dim[d] for d in dims], marker="o", label=model, color=colours[model])
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("model.dim")
+        ax.set_title(f"seq_len {seq}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("best val_accuracy")
+    handles = [plt.Line2D([], [], color=colours[m], marker="o", label=m) for m in names]
+    fig.legend(handles=handles, loc="lower center", ncol=len(names), fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
 def recall_plots(runs: list, out_dir: Path) -> list[Path]:
     """recall_by_width.png: best val_accuracy against model.dim, one line per attention, one panel per
     data.seq_len (MQAR sweeps). passkey_depth.png: final accuracy per depth bin and length, one map per
@@ -100,20 +123,7 @@ def recall_plots(runs: list, out_dir: Path) -> list[Path]:
         previous = points.setdefault(seq, {}).setdefault(model, {}).get(dim, 0.0)
         points[seq][model][dim] = max(previous, best)  # the best seed
     if points:
-        lengths = sorted(points, key=lambda s: (s is None, s))
-        fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 4), squeeze=False)
-        for ax, seq in zip(axes[0], lengths):
-            for model, by_dim in sorted(points[seq].items()):
-                dims = sorted(d for d in by_dim if d is not None)
-                ax.plot(dims, [by_dim[d] for d in dims], marker="o", label=model)
-            ax.set_xscale("log", base=2)
-            ax.set_ylim(-0.02, 1.02)
-            ax.set_xlabel("model.dim")
-            ax.set_title(f"seq_len {seq}")
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("best val_accuracy")
-        axes[0][-1].legend(fontsize=8)
-        fig.tight_layout()
+        fig = recall_by_width(plt, points)
         written.append(out_dir / "recall_by_width.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)

@@ -152,3 +152,20 @@ def test_recall_runs_are_ranked_by_accuracy_and_drawn_by_width_and_depth(tmp_pat
     assert [float(r["best"]) for r in mqar] == [1.0, 1.0, 0.9, 0.4]  # highest first
     assert (sweep / "recall_by_width.png").stat().st_size > 0 and (sweep / "passkey_depth.png").stat().st_size > 0
     assert "val_accuracy" in (sweep / "review.md").read_text()
+
+
+def test_recall_by_width_keeps_each_attentions_colour_in_every_panel():
+    from experiments.review_plots import _pyplot, recall_by_width
+
+    plt = _pyplot()
+    fig = recall_by_width(plt, {64: {"routing": {32: 0.1}, "transformer": {32: 1.0}},
+                                128: {"nsa": {32: 0.5}, "transformer": {32: 0.9, 64: 1.0}}})
+    colours = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            colours.setdefault(line.get_label(), set()).add(line.get_color())
+    plt.close(fig)
+    assert sorted(colours) == ["nsa", "routing", "transformer"]
+    assert all(len(c) == 1 for c in colours.values())  # one colour per attention across panels
+    assert len({next(iter(c)) for c in colours.values()}) == 3  # and no two attentions share one
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["nsa", "routing", "transformer"]
