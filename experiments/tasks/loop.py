@@ -221,7 +221,7 @@ class Loop:
                 )
             return None, None
         path = own if spec == "auto" else checkpoint.resolve(spec)
-        if own is not None and path.parent != self.run.checkpoint_dir:
+        if own is not None and not self._continues(path):
             # started from other weights and stopped since: the same command goes on from its own
             # checkpoints, never back to the weights it started from
             log.info("%s holds this run's own checkpoints: continuing them, not %s", self.run.dir, path)
