@@ -4,7 +4,11 @@ Each routing head shares one projection between queries and keys (as the paper d
 language models, so a token's query and key fall in the same cluster) and routes every token to
 the nearest of `num_clusters` centroids (spherical k-means on the unit-normalised vectors). A
 token attends to the `window_size` most recent tokens of its own cluster, itself included. The
-first `n_local_attn_heads` heads attend to the `window_size` most recent tokens instead.
+first `n_local_attn_heads` heads attend to the `window_size` most recent tokens instead, with keys
+of their own: nothing is routed there, and a shared query-key space cannot express "find the
+token after the one like me" (a query scores its own token's earlier copies above it), which
+associative recall needs: with shared keys, two local heads covering all 64 tokens of MQAR stayed
+at 0.26 accuracy where dense attention reached 1.0.
 
 Why this is causal: a token's cluster depends on its own vector and the centroids only, and "the
 w most recent same-cluster tokens" is decided by the past alone. (Cutting the cluster-sorted
@@ -59,7 +63,8 @@ class RoutingAttention(nn.Module):
         self.heads, self.window, self.local_heads = heads, window_size, n_local_attn_heads
         self.route_heads = heads - n_local_attn_heads
         self.ema_decay, self.commitment_weight, self.dropout = ema_decay, commitment_weight, dropout
-        self.to_qk = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)  # the routing heads' keys too
+        self.to_local_k = nn.Linear(dim, n_local_attn_heads * dim_head, bias=False) if n_local_attn_heads else None
         self.to_v = nn.Linear(dim, heads * dim_head, bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
         self.rotary = Rotary(dim_head)
@@ -73,16 +78,19 @@ class RoutingAttention(nn.Module):
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds past keys, values, clusters."""
         start = 0 if cache is None else cache.get("pos", 0)
-        qk = rearrange(self.to_qk(x), "b n (h d) -> b h n d", h=self.heads)
+        q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
         v = rearrange(self.to_v(x), "b n (h d) -> b h n d", h=self.heads)
-        clusters = self._route(qk[:, self.local_heads :])
-        qk = self.rotary(qk, start)
+        clusters = self._route(q[:, self.local_heads :])
+        k = q[:, self.local_heads :]
+        if self.to_local_k is not None:
+            k = torch.cat((rearrange(self.to_local_k(x), "b n (h d) -> b h n d", h=self.local_heads), k), dim=1)
+        q, k = self.rotary(q, start), self.rotary(k, start)
         if cache is not None:
-            k, v, key_clusters = kv_cache.append(cache, start, k=qk, v=v, clusters=clusters[..., None])
+            k, v, key_clusters = kv_cache.append(cache, start, k=k, v=v, clusters=clusters[..., None])
         if cache is None or start == 0:
-            out = self._attend_sorted(qk, v, clusters)
+            out = self._attend_sorted(q, k, v, clusters)
         else:
-            out = self._attend_cached(qk, k, v, clusters, key_clusters[..., 0], start)
+            out = self._attend_cached(q, k, v, clusters, key_clusters[..., 0], start)
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
     truncate_cache = staticmethod(kv_cache.truncate)
@@ -130,26 +138,26 @@ class RoutingAttention(nn.Module):
         self._sums.zero_()
         self._counts.zero_()
 
-    def _attend_sorted(self, qk: Tensor, v: Tensor, clusters: Tensor) -> Tensor:
-        """All positions at once. qk (queries = keys), v [b, h, n, d]; clusters [b, h, n]."""
-        b, h, n, d = qk.shape
+    def _attend_sorted(self, q: Tensor, k: Tensor, v: Tensor, clusters: Tensor) -> Tensor:
+        """All positions at once. q, k, v [b, h, n, d]; clusters [b, h, n]."""
+        b, h, n, d = q.shape
         w = self.window
-        positions = torch.arange(n, device=qk.device)
+        positions = torch.arange(n, device=q.device)
         order = (clusters * n + positions).argsort(dim=-1)  # by cluster, then position
         chunks = -(-n // w)
         # each token's slot in the sorted sequence, after one leading chunk (chunk -1: zeros in
         # cluster -2, never matched) and before the padding to whole chunks (cluster -1, its own)
         slots = order.argsort(dim=-1) + w
         total = (chunks + 1) * w
-        qks, vs = (t.new_zeros(b, h, total, d).scatter(2, slots[..., None].expand(-1, -1, -1, d), t) for t in (qk, v))
+        qs, ks, vs = (t.new_zeros(b, h, total, d).scatter(2, slots[..., None].expand(-1, -1, -1, d), t) for t in (q, k, v))
         ids = clusters.new_full((b, h, total), -1)
         ids[:, :, :w] = -2
         ids.scatter_(2, slots, clusters)
         # chunk c's queries against chunks c - 1 and c
-        qk_grid, v_grid, id_grid = (t.unflatten(2, (chunks + 1, w)) for t in (qks, vs, ids))
-        queries, query_ids = qk_grid[:, :, 1:], id_grid[:, :, 1:]
-        keys, values, key_ids = (torch.cat((t[:, :, :-1], t[:, :, 1:]), dim=3) for t in (qk_grid, v_grid, id_grid))
-        distance = torch.arange(w, device=qk.device)[:, None] + w - torch.arange(2 * w, device=qk.device)
+        q_grid, k_grid, v_grid, id_grid = (t.unflatten(2, (chunks + 1, w)) for t in (qs, ks, vs, ids))
+        queries, query_ids = q_grid[:, :, 1:], id_grid[:, :, 1:]
+        keys, values, key_ids = (torch.cat((t[:, :, :-1], t[:, :, 1:]), dim=3) for t in (k_grid, v_grid, id_grid))
+        distance = torch.arange(w, device=q.device)[:, None] + w - torch.arange(2 * w, device=q.device)
         in_window = (distance >= 0) & (distance < w)  # query index - key index, in sorted order
         mask = (query_ids[..., :, None] == key_ids[..., None, :]) & in_window
         keep = self._dropout_keep(order, distance.clamp(0, w - 1), chunks) if self.training and self.dropout else None

@@ -49,7 +49,7 @@ def test_sorted_chunks_give_exactly_the_window_of_my_cluster(n, clusters):
     attn = RoutingAttention(dim=16, heads=3, dim_head=8, window_size=WINDOW, num_clusters=clusters).double()
     q, k, v = torch.randn(3, 2, 3, n, 8, dtype=torch.double)
     ids = torch.randint(0, clusters, (2, 3, n))
-    torch.testing.assert_close(attn._attend_sorted(k, v, ids), reference_routing(k, k, v, ids, WINDOW))
+    torch.testing.assert_close(attn._attend_sorted(q, k, v, ids), reference_routing(q, k, v, ids, WINDOW))
 
 
 def test_local_heads_are_a_sliding_window():
@@ -62,8 +62,28 @@ def test_local_heads_are_a_sliding_window():
     window = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - WINDOW)
     ids = attn._route(q)
     assert torch.equal(ids, torch.zeros_like(ids))
-    torch.testing.assert_close(attn._attend_sorted(k, v, ids),
-                               F.scaled_dot_product_attention(k, k, v, attn_mask=window))
+    torch.testing.assert_close(attn._attend_sorted(q, k, v, ids),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=window))
+
+
+def test_routing_heads_key_with_their_queries_and_local_heads_with_their_own_keys():
+    """Head 0 is local, head 1 routes: only head 0's output moves with the local key projection,
+    and head 1 gives what attention with keys equal to its queries gives."""
+    torch.manual_seed(0)
+    attn = RoutingAttention(dim=16, heads=2, dim_head=8, window_size=WINDOW, num_clusters=3,
+                            n_local_attn_heads=1).double().eval()
+    attn.to_out.weight.data = torch.eye(16, dtype=torch.double)  # the heads' outputs side by side
+    x = torch.randn(2, 11, 16, dtype=torch.double)
+    before = attn(x)
+    attn.to_local_k.weight.data.normal_()
+    after = attn(x)
+    assert not torch.allclose(before[..., :8], after[..., :8])
+    torch.testing.assert_close(before[..., 8:], after[..., 8:])
+    q = attn.to_q(x).unflatten(-1, (2, 8)).transpose(1, 2)[:, 1:]  # [b, 1, n, d]
+    v = attn.to_v(x).unflatten(-1, (2, 8)).transpose(1, 2)[:, 1:]
+    clusters = attn._route(q)[:, 1:]  # routed before the rotary positions, as in the layer
+    q = attn.rotary(q, 0)
+    torch.testing.assert_close(after[..., 8:], reference_routing(q, q, v, clusters, WINDOW).squeeze(1))
 
 
 @pytest.mark.parametrize("pieces", [[23], [1] * 23, [5, 3, 8, 7], [8, 1, 1, 13]], ids=str)
@@ -106,7 +126,7 @@ def test_commitment_loss_pulls_the_routed_vectors():
     aux = model.aux_loss()
     assert aux > 0
     aux.backward()
-    assert model.blocks[0].attn.to_qk.weight.grad.abs().max() > 0
+    assert model.blocks[0].attn.to_q.weight.grad.abs().max() > 0
 
 
 def test_centroids_are_saved_with_the_model():
