@@ -45,16 +45,16 @@ class RecallTask(Task):
     def loss(self, member: Member, batch):
         inputs, targets = batch
         answer = targets != IGNORE
-        aux = member.model.aux_loss()
         if not self.context_weight:
             logits = member.trainee.forward(inputs, at=answer)  # [answers, vocab]: the output layer nowhere else
-            return F.cross_entropy(logits.float(), targets[answer]) + aux, {}
+            return F.cross_entropy(logits.float(), targets[answer]) + member.model.aux_loss(), {}
         # every position predicts its next token; the answers' targets are the data's own
         logits = member.trainee.forward(inputs).float()
         following = torch.cat((inputs[:, 1:], targets[:, -1:]), dim=1)
         answer_loss = F.cross_entropy(logits[answer], targets[answer])
         context_loss = F.cross_entropy(logits[~answer], following[~answer])
-        return answer_loss + self.context_weight * context_loss + aux, {"context_loss": context_loss.item()}
+        loss = answer_loss + self.context_weight * context_loss + member.model.aux_loss()  # this forward's
+        return loss, {"context_loss": context_loss.item()}
 
     def validation_metrics(self, member: Member) -> dict[str, float]:
         tr, backend, data = self.ctx.trainer, self.ctx.backend, self.ctx.data

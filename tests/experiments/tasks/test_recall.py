@@ -51,10 +51,11 @@ class _Bigram(torch.nn.Module):
 
     def forward(self, inputs, at=None):
         logits = self.table[inputs]
+        self.last_aux = inputs.float().mean()  # an auxiliary loss that tells one forward from another
         return logits if at is None else logits[at]
 
     def aux_loss(self):
-        return 0.0
+        return self.last_aux
 
 
 def test_the_context_weight_adds_next_token_loss_on_every_other_position():
@@ -67,7 +68,23 @@ def test_the_context_weight_adds_next_token_loss_on_every_other_position():
     # the others predict the next input: 1->2, 2->3, 3->4 and 5->6, 7->8
     context = F.cross_entropy(net.table[torch.tensor([1, 2, 3, 5, 7])], torch.tensor([2, 3, 4, 6, 8]))
 
+    aux = inputs.float().mean()
     loss, _ = RecallTask(num_samples=1, context_weight=0.0).loss(member, (inputs, targets))
-    assert torch.allclose(loss, answers)
+    assert torch.allclose(loss, answers + aux)
     loss, extras = RecallTask(num_samples=1, context_weight=0.5).loss(member, (inputs, targets))
-    assert torch.allclose(loss, answers + 0.5 * context) and extras["context_loss"] == context.item()
+    assert torch.allclose(loss, answers + 0.5 * context + aux) and extras["context_loss"] == context.item()
+
+
+def test_the_auxiliary_loss_is_that_of_the_forward_it_joins():
+    """Routing's commitment loss belongs to this batch's forward: one read before it is the last
+    step's, whose graph is gone (a second backward through it fails)."""
+    torch.manual_seed(0)
+    net = _Bigram(10)
+    member = SimpleNamespace(trainee=net, model=net)
+    targets = torch.tensor([[I, 3]])  # position 0 predicts the next input (8), position 1 answers 3
+    answer, context = (F.cross_entropy(net.table[8], torch.tensor(t)) for t in (3, 8))
+    for weight in (0.0, 1.0):
+        task = RecallTask(num_samples=1, context_weight=weight)
+        task.loss(member, (torch.tensor([[1, 1]]), targets))  # the step before: auxiliary loss 1
+        loss, _ = task.loss(member, (torch.tensor([[8, 8]]), targets))
+        assert torch.allclose(loss, answer + weight * context + 8.0)
