@@ -75,12 +75,27 @@ class BlockCompressor(nn.Module):
         """x [batch, kv_heads, seq, dim_head] -> [batch, kv_heads, blocks, dim_head] for the
         complete blocks from block index `first` on."""
         x = x[:, :, first * self.stride :]
-        if self.num_blocks(x.shape[2]) == 0:
+        nc = self.num_blocks(x.shape[2])
+        if nc == 0:
             return x.new_zeros(*x.shape[:2], 0, x.shape[3])
-        blocks = x.unfold(2, self.block, self.stride).transpose(-1, -2)  # [b, h, nc, l, d]
-        blocks = (blocks + self.pos[:, None]).flatten(-2)  # [b, h, nc, l * d]
-        hidden = F.gelu(torch.einsum("bhcx,hxy->bhcy", blocks, self.w1) + self.b1)
+        # the intra-block positions enter the first layer linearly: as a bias of their own
+        bias = self.b1 + torch.einsum("hx,hxy->hy", self.pos.flatten(1), self.w1)[:, None]  # [h, 1, hidden]
+        hidden = F.gelu(self._first_layer(x, nc) + bias)
         return torch.einsum("bhcy,hyd->bhcd", hidden, self.w2)
+
+    def _first_layer(self, x: Tensor, nc: int) -> Tensor:
+        """The first layer's product over each block's tokens, x [b, h, seq, d] -> [b, h, nc, hidden].
+        Where the block is r strides long, block c is strides c .. c + r - 1: one product of the
+        non-overlapping strides with the r slices of w1 gives every term, with no overlapping copy
+        of the keys (an unfold copies each token r times, and its backward adds the copies back)."""
+        l, s = self.block, self.stride
+        if l % s:
+            return torch.einsum("bhcx,hxy->bhcy", x.unfold(2, l, s).transpose(-1, -2).flatten(-2), self.w1)
+        r, h, d = l // s, self.w1.shape[0], x.shape[-1]
+        strides = x[:, :, : (nc + r - 1) * s].reshape(*x.shape[:2], nc + r - 1, s * d)  # [b, h, nc + r - 1, s * d]
+        w = self.w1.view(h, r, s * d, -1).transpose(1, 2).flatten(2)  # [h, s * d, r * hidden]
+        terms = torch.einsum("bhcx,hxy->bhcy", strides, w).unflatten(-1, (r, -1))  # [b, h, nc + r - 1, r, hidden]
+        return sum(terms[:, :, i : i + nc, i] for i in range(r))
 
 
 class NativeSparseAttention(nn.Module):

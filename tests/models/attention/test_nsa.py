@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kernels.compressed_attention import compressed_attention
 from kernels.compressed_attention.naive import compressed_attention as naive
 from kernels import span_attention
-from models.attention.nsa import NativeSparseAttention
+from models.attention.nsa import BlockCompressor, NativeSparseAttention
 from tests.helpers.attention_checks import assert_truncated_cache_forgets
 from models.lm import nsa_lm
 
@@ -249,3 +249,27 @@ def test_selection_equals_the_dense_formulation(n):
     assert torch.equal(scores > float("-inf"), valid)
     assert torch.equal(indices[valid], ref_indices[valid])
     torch.testing.assert_close(scores[valid], ref_scores[valid])
+
+
+@pytest.mark.parametrize("block,stride", [(16, 8), (12, 4), (8, 8), (12, 8), (8, 3)])
+@pytest.mark.parametrize("n,first", [(7, 0), (16, 0), (41, 0), (41, 2)])
+def test_compressor_is_an_mlp_over_each_blocks_tokens_and_positions(block, stride, n, first):
+    """Block c (from block `first` on) is the MLP of its tokens, each plus its intra-block position,
+    concatenated; values and gradients, whether or not the block is a whole number of strides."""
+    torch.manual_seed(n)
+    comp = BlockCompressor(2, block, stride, 8, 12).double()
+    comp.pos.data.normal_()
+    comp.b1.data.normal_()
+    x = torch.randn(3, n, 2, 8, dtype=torch.double).transpose(1, 2).requires_grad_()  # a strided view, as NSA's
+    nc = comp.num_blocks(n - first * stride)
+    expected = torch.stack([
+        F.gelu(torch.einsum("bhx,hxy->bhy", (x[:, :, (first + c) * stride:][:, :, :block] + comp.pos).flatten(-2),
+                            comp.w1) + comp.b1[:, 0]) for c in range(nc)], dim=2) if nc else x.new_zeros(3, 2, 0, 12)
+    expected = torch.einsum("bhcy,hyd->bhcd", expected, comp.w2)
+    out = comp(x, first)
+    torch.testing.assert_close(out, expected)
+    if nc:
+        grad = torch.randn_like(out)
+        params = [x, comp.w1, comp.w2, comp.pos, comp.b1]
+        for got, want in zip(torch.autograd.grad(out, params, grad), torch.autograd.grad(expected, params, grad)):
+            torch.testing.assert_close(got, want)
