@@ -87,22 +87,26 @@ def _section(config: dict, dotted: str):
 
 def recall_by_width(plt, points: dict):
     """points {seq_len: {attention: {dim: accuracy}}} -> a figure of one panel per seq_len; each
-    attention keeps its colour in every panel, and one legend names them all."""
+    attention keeps its colour and marks in every panel, and one legend names them all. Attentions
+    that all solve the task lie on one line: each is drawn thinner, with smaller marks, than the
+    one before it, so that every line stays visible."""
     lengths = sorted(points, key=lambda s: (s is None, s))
     names = sorted({model for by_model in points.values() for model in by_model})
-    colours = {model: f"C{i % 10}" for i, model in enumerate(names)}
+    styles = {model: dict(color=f"C{i % 10}", marker="osD^v<>"[i % 7], linestyle=("-", "--", "-.", ":")[i % 4],
+                          linewidth=3.0 - 0.6 * (i % 4), markersize=10 - 2 * (i % 4))
+              for i, model in enumerate(names)}
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 4), squeeze=False)
     for ax, seq in zip(axes[0], lengths):
         for model, by_dim in sorted(points[seq].items()):
             dims = sorted(d for d in by_dim if d is not None)
-            ax.plot(dims, [by_dim[d] for d in dims], marker="o", label=model, color=colours[model])
+            ax.plot(dims, [by_dim[d] for d in dims], label=model, **styles[model])
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("model.dim")
         ax.set_title(f"seq_len {seq}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("best val_accuracy")
-    handles = [plt.Line2D([], [], color=colours[m], marker="o", label=m) for m in names]
+    handles = [plt.Line2D([], [], label=m, **styles[m]) for m in names]
     fig.legend(handles=handles, loc="lower center", ncol=len(names), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig

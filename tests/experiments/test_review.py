@@ -154,7 +154,7 @@ def test_recall_runs_are_ranked_by_accuracy_and_drawn_by_width_and_depth(tmp_pat
     assert "val_accuracy" in (sweep / "review.md").read_text()
 
 
-def test_recall_by_width_keeps_each_attentions_colour_in_every_panel():
+def test_recall_by_width_keeps_each_attentions_style_in_every_panel():
     from experiments.review_plots import _pyplot, recall_by_width
 
     plt = _pyplot()
@@ -163,9 +163,10 @@ def test_recall_by_width_keeps_each_attentions_colour_in_every_panel():
     colours = {}
     for ax in fig.axes:
         for line in ax.get_lines():
-            colours.setdefault(line.get_label(), set()).add(line.get_color())
+            colours.setdefault(line.get_label(), set()).add((line.get_color(), line.get_marker(), line.get_linestyle()))
     plt.close(fig)
     assert sorted(colours) == ["nsa", "routing", "transformer"]
     assert all(len(c) == 1 for c in colours.values())  # one colour per attention across panels
-    assert len({next(iter(c)) for c in colours.values()}) == 3  # and no two attentions share one
+    assert len({next(iter(c))[0] for c in colours.values()}) == 3  # and no two attentions share a colour
+    assert len({next(iter(c))[1] for c in colours.values()}) == 3  # nor a marker (coinciding lines stay apart)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["nsa", "routing", "transformer"]
