@@ -1,6 +1,7 @@
 /* What the project's C kernels share: vector types, a vectorisable exp, dot products of one query
- * with keys stored in transposed tiles, and a split of rows over POSIX threads (no OpenMP runtime
- * beside PyTorch's). Built by kernels/native.py. */
+ * with keys stored in transposed tiles, and a split of rows over threads: PyTorch's own OpenMP
+ * threads where kernels/native.py builds with -fopenmp (only when that links to the libgomp
+ * PyTorch has loaded), POSIX threads otherwise. Built by kernels/native.py. */
 
 #ifndef KERNELS_NATIVE_H
 #define KERNELS_NATIVE_H
@@ -118,25 +119,32 @@ typedef struct {
 
 /* Runs body over `rows` rows on `threads` threads (the caller's among them); 0 on success.
  * interleave: thread t takes rows t, t + threads, ... (balanced when a row's cost grows with its
- * index); otherwise each thread takes one contiguous range. */
+ * index); otherwise each thread takes one contiguous range.
+ * Why OpenMP where it can be PyTorch's: after each of its operators PyTorch's idle OpenMP workers
+ * spin for a while, and threads of our own then share the cores with them: on 2 cores the span
+ * kernel ran no faster on 2 threads than on 1. In the same pool, those workers take the rows. */
 static int run_rows(const void *problem, int64_t rows, int threads, int interleave, void *(*body)(void *)) {
     if (threads < 1) threads = 1;
     if (threads > 256) threads = 256;
     Work work[256];
-    pthread_t ids[256];
-    int started[256] = {0};
-    for (int t = 0; t < threads; t++) {
+    for (int t = 0; t < threads; t++)
         work[t] = interleave ? (Work){problem, t, rows, threads, t, 0}
                              : (Work){problem, rows * t / threads, rows * (t + 1) / threads, 1, t, 0};
-        if (t > 0) started[t] = pthread_create(&ids[t], NULL, body, &work[t]) == 0;
-    }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) body(&work[t]);
+#else
+    pthread_t ids[256];
+    int started[256] = {0};
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, body, &work[t]) == 0;
     body(&work[0]);
-    int failed = work[0].failed;
     for (int t = 1; t < threads; t++) {
         if (started[t]) pthread_join(ids[t], NULL);
         else body(&work[t]); /* no thread to be had: the caller does that share too */
-        failed |= work[t].failed;
     }
+#endif
+    int failed = 0;
+    for (int t = 0; t < threads; t++) failed |= work[t].failed;
     return failed;
 }
 

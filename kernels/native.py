@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 
 _HEADER = Path(__file__).with_name("native.h")
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC", "-pthread"]
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+_OPENMP = ["-fopenmp"]  # rows on PyTorch's OpenMP threads (native.h's run_rows)
+_POSIX_THREADS = ["-fopenmp-simd", "-pthread"]
 TILE = 16  # keys per transposed tile, as TILE in native.h
 
 
@@ -38,22 +40,9 @@ def load(source: Path, signatures: tuple[tuple[str, int, int], ...]) -> Optional
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), _HEADER.read_bytes(), " ".join([compiler, *_FLAGS]).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    path = _cache_dir() / f"{source.stem}-{key}.so"
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                built = Path(tmp) / path.name
-                subprocess.run([compiler, *_FLAGS, f"-I{_HEADER.parent}", str(source), "-o", str(built), "-lm"],
-                               check=True, capture_output=True, timeout=120)
-                os.replace(built, path)  # atomic: concurrent runs of a sweep never load half a file
-        except (OSError, subprocess.SubprocessError):
-            return None
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError:
+    threading = [_OPENMP, _POSIX_THREADS] if _torch_libgomp_loaded() else [_POSIX_THREADS]
+    library = next(filter(None, (_build(compiler, source, [*_FLAGS, *flags]) for flags in threading)), None)
+    if library is None:
         return None
     for name, pointers, sizes in signatures:
         function = getattr(library, name)
@@ -68,6 +57,38 @@ def transposed_tiles(x: Tensor) -> Tensor:
     bh, n, d = x.shape
     x = torch.nn.functional.pad(x, (0, 0, 0, (-n) % TILE))
     return x.reshape(bh, -1, TILE, d).transpose(-1, -2).contiguous()
+
+
+def _build(compiler: str, source: Path, flags: list[str]) -> Optional[ctypes.CDLL]:
+    """`source` built with `flags` (cached) and loaded; None where that fails."""
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), _HEADER.read_bytes(), " ".join([compiler, *flags]).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    path = _cache_dir() / f"{source.stem}-{key}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
+                subprocess.run([compiler, *flags, f"-I{_HEADER.parent}", str(source), "-o", str(built), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+                os.replace(built, path)  # atomic: concurrent runs of a sweep never load half a file
+        except (OSError, subprocess.SubprocessError):
+            return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
+
+
+def _torch_libgomp_loaded() -> bool:
+    """Whether this process holds a libgomp.so.1 (PyTorch's OpenMP runtime on Linux): a kernel
+    built with -fopenmp then binds to that same runtime, by its soname, instead of loading a
+    second one whose threads would compete with PyTorch's."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any(line.rstrip().endswith("/libgomp.so.1") for line in maps)
+    except OSError:
+        return False
 
 
 def _cache_dir() -> Path:
