@@ -50,6 +50,7 @@ CONFIG_CASES = [
     (["experiment=speculative", "task.gamma=0"], "task.gamma=0 must be at least 1"),
     (["experiment=speculative", "task.distill_weight=-0.5"], "task.distill_weight=-0.5 must be 0 or more"),
     (["experiment=passkey", "task.context_weight=-1"], "task.context_weight=-1.0 must be 0 or more"),
+    (["experiment=passkey", "data.curriculum_steps=-1"], "data.curriculum_steps=-1 must be 0 or more"),
     (["experiment=dalle", "task.filter_thres=1.5"], "task.filter_thres=1.5 must lie in [0, 1)"),
     (["experiment=dalle", "task.vae_steps=-1"], "task.vae_steps=-1 must be 0 or more"),
     (["experiment=dalle", "vae.num_tokens=0"], "vae.num_tokens=0 must be at least 1"),

@@ -27,13 +27,13 @@ _AT_LEAST_1 = {
     "window_size", "num_clusters", "image_size", "codebook_dim", "num_layers", "hidden_dim", "channels", "seq_len",
     "text_seq_len", "kernel_size", "prime_length", "generate_length", "num_samples", "gamma", "window",
     "total_steps", "train_bytes", "val_bytes", "max_steps", "batch_size", "grad_accum", "val_batches", "log_every",
-    "keep_checkpoints", "vocab_size", "num_kv_pairs", "digits", "depth_bins",
+    "keep_checkpoints", "vocab_size", "num_kv_pairs", "digits", "depth_bins", "curriculum_seq_len",
     "count",  # no config key: what a tool's counting flag (--steps, --repeat, ...) stands for in flag_error
 }
 _AT_LEAST_0 = {
     "num_resnet_blocks", "warmup_steps", "patience", "cooldown", "vae_steps", "weight_decay", "anneal_rate",
     "kl_weight", "temperature", "temperature_min", "commitment_weight", "loss_img_weight", "min_lr",
-    "initial_loss_scale_power", "cond_scale", "distill_weight", "context_weight",
+    "initial_loss_scale_power", "cond_scale", "distill_weight", "context_weight", "curriculum_steps",
 }
 _STEPS = {"validate_every", "generate_every", "checkpoint_every"}  # 0: off
 _POSITIVE = {"lr", "eps", "ff_mult", "compress_hidden_mult", "vae_lr", "timeout_s", "power_a"}

@@ -248,6 +248,8 @@ class PasskeyDataConfig:
     digits: int = MISSING
     depth_bins: int = MISSING  # validation depths, reported per bin
     cache_dir: str = MISSING
+    curriculum_seq_len: int = MISSING  # the first curriculum_steps steps train on items this long
+    curriculum_steps: int = MISSING  # 0: every step at seq_len
 
 
 # ---- optimizer and schedule (partials: parameters and optimizer are bound by the task) -----

@@ -17,6 +17,7 @@ except at the answers, depth is the needle's depth bin (passkey) or 0. Batches a
 (seed, step, micro, rank), like every dataset here, so resume is exact.
 """
 
+import copy
 import hashlib
 from typing import Iterator, Optional
 
@@ -119,13 +120,20 @@ class Passkey(RecallData):
         pass key? The pass key is 48213
 
     Training draws the depth uniformly; validation spreads its items evenly over `depth_bins` bins
-    and val_accuracy is reported per bin too."""
+    and val_accuracy is reported per bin too.
+
+    Length curriculum: the first `curriculum_steps` training steps draw items of `curriculum_seq_len`
+    tokens, seq_len / curriculum_seq_len times as many per batch (a step sees as many tokens either
+    way). Copying a number back is learnt on short items, where the needle is never far; finding it at
+    seq_len then follows in a few hundred steps. From scratch at 2,048 tokens no attention here learnt
+    it in 2,000 steps. Validation is always at seq_len."""
 
     per_sequence = True
     vocab_size = 256
     _QUESTION = " What is the pass key? The pass key is "
 
-    def __init__(self, seq_len: int, digits: int, depth_bins: int, cache_dir: str):
+    def __init__(self, seq_len: int, digits: int, depth_bins: int, cache_dir: str, curriculum_seq_len: int = 256,
+                 curriculum_steps: int = 0):
         from pathlib import Path
 
         from experiments.data.text import builtin_corpus
@@ -134,14 +142,38 @@ class Passkey(RecallData):
             raise UserError(f"data.digits={digits} must be at least 1")
         if depth_bins < 1:
             raise UserError(f"data.depth_bins={depth_bins} must be at least 1")
-        needle = len(self._needle("0" * digits))
-        question = len(self._QUESTION) + digits
-        if seq_len + 1 < needle + question + 16:
-            raise UserError(f"data.seq_len={seq_len} leaves no room for filler around the {needle}-byte needle and "
-                            f"the {question}-byte question: raise data.seq_len to {needle + question + 16} or more")
+        if curriculum_steps < 0:
+            raise UserError(f"data.curriculum_steps={curriculum_steps} must be 0 (no curriculum) or more")
+        self._check_room("data.seq_len", seq_len, digits)
+        if curriculum_steps:
+            self._check_room("data.curriculum_seq_len", curriculum_seq_len, digits)
+            if seq_len % curriculum_seq_len:
+                raise UserError(f"data.curriculum_seq_len={curriculum_seq_len} must divide data.seq_len={seq_len}, "
+                                "so that a short batch holds as many tokens as a full one: use a divisor of "
+                                "data.seq_len, or data.curriculum_steps=0 for no curriculum")
         self.filler = torch.from_numpy(builtin_corpus(Path(cache_dir)))
         self.seq_len, self.digits, self.depth_bins = seq_len, digits, depth_bins
-        self.name = f"passkey-n{seq_len}-d{digits}"
+        self.curriculum_seq_len, self.curriculum_steps = curriculum_seq_len, curriculum_steps
+        self.name = f"passkey-n{seq_len}-d{digits}" + (f"-c{curriculum_seq_len}x{curriculum_steps}"
+                                                       if curriculum_steps else "")
+        self._short = copy.copy(self)  # the curriculum's items: the same filler, shorter
+        self._short.seq_len, self._short.curriculum_steps = curriculum_seq_len, 0
+
+    def _check_room(self, key: str, length: int, digits: int) -> None:
+        needle = len(self._needle("0" * digits))
+        question = len(self._QUESTION) + digits
+        if length + 1 < needle + question + 16:
+            raise UserError(f"{key}={length} leaves no room for filler around the {needle}-byte needle and "
+                            f"the {question}-byte question: raise {key} to {needle + question + 16} or more")
+
+    def train_batch(self, batch_size: int, *, seed: int, step: int, micro: int = 0, rank: int = 0,
+                    world_size: int = 1) -> Batch:
+        """A full-length batch, or during the curriculum seq_len / curriculum_seq_len times as many
+        short items per rank."""
+        if step >= self.curriculum_steps:
+            return super().train_batch(batch_size, seed=seed, step=step, micro=micro, rank=rank, world_size=world_size)
+        return self._short.train_batch(batch_size * (self.seq_len // self.curriculum_seq_len), seed=seed, step=step,
+                                       micro=micro, rank=rank, world_size=world_size)
 
     @staticmethod
     def _needle(key: str) -> str:

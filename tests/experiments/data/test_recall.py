@@ -89,3 +89,27 @@ def test_passkey_depth_bins_place_the_needle(tmp_path):
 def test_a_passkey_sequence_too_short_is_refused(tmp_path):
     with pytest.raises(UserError, match="data.seq_len=64 leaves no room"):
         passkey(tmp_path, seq_len=64)
+
+
+def test_the_length_curriculum_trains_on_short_items_then_at_full_length(tmp_path):
+    data = passkey(tmp_path, seq_len=1024, curriculum_seq_len=256, curriculum_steps=3)
+    short, full = data.train_batch(2, seed=0, step=2), data.train_batch(2, seed=0, step=3)
+    assert short[0].shape == (8, 256) and full[0].shape == (2, 1024)  # as many tokens a step either way
+    for x, y in zip(short[0], short[1]):  # short items are whole passkey items, answer included
+        answer = bytes(y[y != IGNORE].tolist()).decode()
+        assert f"The pass key is {answer}. Remember it." in data.decode(x) and len(answer) == 5
+    halves = [data.train_batch(1, seed=0, step=2, rank=r, world_size=2) for r in (0, 1)]
+    assert torch.equal(torch.cat([h[0] for h in halves]), data.train_batch(2, seed=0, step=2, world_size=1)[0])
+    assert next(data.val_batches(1, 2))[0].shape == (2, 1024)  # validation is always at seq_len
+    plain = passkey(tmp_path, seq_len=1024)
+    assert plain.train_batch(2, seed=0, step=0)[0].shape == (2, 1024) and plain.name != data.name
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"curriculum_seq_len": 300}, "data.curriculum_seq_len=300 must divide data.seq_len=1024"),
+    ({"curriculum_seq_len": 64}, "data.curriculum_seq_len=64 leaves no room"),
+    ({"curriculum_steps": -1}, "data.curriculum_steps=-1 must be 0"),
+])
+def test_impossible_curriculum_knobs_are_refused(tmp_path, knobs, message):
+    with pytest.raises(UserError, match=message):
+        passkey(tmp_path, **{"seq_len": 1024, "curriculum_steps": 5, **knobs})

@@ -34,8 +34,9 @@ def test_an_mqar_run_reports_val_accuracy(tmp_path):
 
 
 def test_a_passkey_run_reports_accuracy_per_depth(tmp_path):
-    run = tmp_path / "run"
-    train(run, "experiment=passkey", "data.seq_len=128", "data.depth_bins=2", "model=transformer", "model.dim=32",
+    run = tmp_path / "run"  # one step on the curriculum's short items, one at full length
+    train(run, "experiment=passkey", "data.seq_len=256", "data.curriculum_seq_len=128", "data.curriculum_steps=1",
+          "data.depth_bins=2", "model=transformer", "model.dim=32",
           "model.depth=1", "trainer.max_steps=2", "trainer.batch_size=2", "trainer.val_batches=2", base=[
               "trainer.log_every=1", "trainer.progress=false", "trainer.threads=1", "tracker=none"])
     summary = read_summary(run)
