@@ -24,6 +24,10 @@ token-overlap fraction exactly, in O(blocks * block / u) per query.
 
 On the CPU, `cpu_block_selection` does a training step's selection in C (selection.c, compiled
 on first use by kernels/native.py): one pass per query from its scores to its chosen blocks.
+`cpu_compressed_selection` adds the compressed branch's output to the same pass (each query is
+scored against the compressed blocks once, not once for selection and again for attention); its
+backward is PyTorch's flash attention backward over the rows of blocks above, given the output and
+log-sum-exp the pass kept.
 """
 
 import ctypes
@@ -76,16 +80,31 @@ def causal_block_attention(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride
     """The compressed attention of queries from position 0, as causal flash attention over rows of
     blocks: q [bh, g, seq, d], kc, vc [bh, blocks, d] -> [bh, g, seq, d], zeros before the first
     complete block."""
-    bh, g, m, d = q.shape
-    first, blocks = min(m, block - 1), kc.shape[1]
-    if blocks == 0:
+    if kc.shape[1] == 0:
         return torch.zeros_like(q)
-    rows = F.pad(q[:, :, first:], (0, 0, 0, blocks * stride - (m - first)))
-    rows = rows.view(bh, g, blocks, stride, d).transpose(2, 3).reshape(bh, g * stride, blocks, d)
-    out = F.scaled_dot_product_attention(rows, kc[:, None].to(q.dtype), vc[:, None].to(q.dtype), is_causal=True,
-                                         enable_gqa=True)
-    out = out.view(bh, g, stride, blocks, d).transpose(2, 3).reshape(bh, g, blocks * stride, d)[:, :, : m - first]
-    return F.pad(out, (0, 0, first, 0))
+    out = F.scaled_dot_product_attention(_to_rows(q, block, stride, kc.shape[1]), kc[:, None].to(q.dtype),
+                                         vc[:, None].to(q.dtype), is_causal=True, enable_gqa=True)
+    return _from_rows(out, block, stride, q.shape[2])
+
+
+def _to_rows(x: Tensor, block: int, stride: int, blocks: int) -> Tensor:
+    """Queries from position 0 [bh, g, seq, ...] -> rows of blocks [bh, g * stride, blocks, ...]: the
+    queries that see blocks 0..s at row index s, those that see none left out, zeros past the end."""
+    bh, g, m = x.shape[:3]
+    first = min(m, block - 1)
+    pad = [0, 0] * (x.dim() - 3) + [0, blocks * stride - (m - first)]
+    rows = F.pad(x[:, :, first:], pad).view(bh, g, blocks, stride, *x.shape[3:]).transpose(2, 3)
+    return rows.reshape(bh, g * stride, blocks, *x.shape[3:])
+
+
+def _from_rows(rows: Tensor, block: int, stride: int, m: int) -> Tensor:
+    """The inverse of _to_rows for [bh, g * stride, blocks, ...] -> [bh, g, m, ...], zeros where no
+    block is visible."""
+    bh, _, blocks = rows.shape[:3]
+    g, first = rows.shape[1] // stride, min(m, block - 1)
+    x = rows.view(bh, g, stride, blocks, *rows.shape[3:]).transpose(2, 3).reshape(bh, g, blocks * stride,
+                                                                                  *rows.shape[3:])
+    return F.pad(x[:, :, : m - first], [0, 0] * (rows.dim() - 3) + [first, 0])
 
 
 def cpu_selection_available() -> bool:
@@ -105,21 +124,65 @@ def cpu_block_selection(q: Tensor, kc: Tensor, block: int, stride: int, fine_blo
              over the group) and fine-block index, most important first, ties to the earlier block;
              score -inf (index 0) where no block is left for a slot
     """
+    return _run_selection(q, kc, None, block, stride, fine_block, forced, free)[2:]
+
+
+def cpu_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int, fine_block: int, forced: int,
+                             free: int) -> tuple[Tensor, Tensor, Tensor]:
+    """cpu_block_selection and the compressed branch's attention (as causal_block_attention) from the
+    same pass, fp32: q [bh, g, seq, d], kc, vc [bh, blocks, d] -> out [bh, g, seq, d], scores, indices
+    [bh, seq, free]. out passes gradient to q, kc and vc; the selection passes none."""
+    return _CompressedSelection.apply(q, kc, vc, (block, stride, fine_block, forced, free))
+
+
+class _CompressedSelection(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kc, vc, knobs):
+        block, stride, fine_block, forced, free = knobs
+        out, lse, scores, indices = _run_selection(q, kc, vc, block, stride, fine_block, forced, free)
+        ctx.knobs = knobs
+        ctx.save_for_backward(q, kc, vc, out, lse)
+        ctx.mark_non_differentiable(scores, indices)
+        return out, scores, indices
+
+    @staticmethod
+    def backward(ctx, dout, _scores, _indices):
+        q, kc, vc, out, lse = ctx.saved_tensors
+        block, stride = ctx.knobs[:2]
+        m, blocks = q.shape[2], kc.shape[1]
+        if blocks == 0:
+            return torch.zeros_like(q), torch.zeros_like(kc), torch.zeros_like(vc), None
+        rows = lambda x: _to_rows(x, block, stride, blocks)  # noqa: E731
+        # rows past the sequence: zero queries and zero output gradient (a finite log-sum-exp of 0),
+        # so they add nothing to the key and value gradients
+        lse_rows = rows(lse[..., None])[..., 0]
+        dq, dkc, dvc = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            rows(dout.contiguous()), rows(q), kc[:, None], vc[:, None], rows(out), lse_rows, 0.0, True)
+        return _from_rows(dq, block, stride, m), dkc[:, 0], dvc[:, 0], None
+
+
+def _run_selection(q: Tensor, kc: Tensor, vc: Optional[Tensor], block: int, stride: int, fine_block: int, forced: int,
+                   free: int) -> tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
+    """The C pass: (out, lse) when vc is given (else None, None), and scores, indices."""
     library = _library()
     if library is None:
         raise RuntimeError("the block-selection CPU kernel could not be built here (no working C compiler)")
     bh, g, m, d = q.shape
     q = q.detach().float().contiguous()
     kc_t = transposed_tiles(kc.detach().float())  # held here: a pointer does not keep its tensor alive
+    vc = None if vc is None else vc.detach().float().contiguous()
+    out, lse = (None, None) if vc is None else (torch.empty_like(q), q.new_empty(bh, g, m))
     scores = q.new_empty(bh, m, free)
     indices = torch.empty(bh, m, free, dtype=torch.int64)
-    status = library.block_selection(pointer(q), pointer(kc_t), pointer(scores), pointer(indices), bh, g, m, d,
-                                     kc.shape[1], block, stride, fine_block, forced, free,
-                                     ctypes.c_float(d**-0.5), torch.get_num_threads())
+    status = library.block_selection(pointer(q), pointer(kc_t), pointer(vc), pointer(scores), pointer(indices),
+                                     pointer(out), pointer(lse), bh, g, m, d, kc.shape[1], block, stride, fine_block,
+                                     forced, free, ctypes.c_float(d**-0.5), torch.get_num_threads())
     if status:
         raise MemoryError("block selection: a thread could not allocate its scores")
-    return scores, indices
+    if vc is not None and kc.shape[1] == 0:  # no block at all: vc's empty data reads as NULL in C
+        out.zero_(), lse.fill_(float("-inf"))
+    return out, lse, scores, indices
 
 
 def _library() -> Optional[ctypes.CDLL]:
-    return load(Path(__file__).with_name("selection.c"), (("block_selection", 4, 10),))
+    return load(Path(__file__).with_name("selection.c"), (("block_selection", 7, 10),))

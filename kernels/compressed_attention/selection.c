@@ -1,12 +1,18 @@
 /* NSA's block selection from position 0 on the CPU, in one pass per query: its compressed-attention
  * probabilities (each head of the GQA group over the compressed blocks complete by then), summed
  * over the group, spread onto fine blocks by token overlap, and the most important fine blocks
- * besides the forced ones, never in the future. Nothing is written but the choice: no [n, blocks]
- * score matrix exists, and no gradient is kept (selection passes none).
+ * besides the forced ones, never in the future. No [n, blocks] score matrix exists, and no
+ * gradient is kept (selection passes none).
+ * Given the compressed values, the same probabilities also give the compressed branch's output
+ * and log-sum-exp, so that a training step scores each query against the compressed keys once (as
+ * the paper reuses them); its backward is flash attention's (kernels/compressed_attention/).
  *
  * Layouts (contiguous):
  *   q        [bh, g, m, d] fp32, the query at position t is row t
  *   kc_t     [bh, blocks / TILE, d, TILE] fp32, the compressed keys in transposed tiles
+ *   vc       [bh, blocks, d] fp32, the compressed values, or NULL: no output
+ *   out      [bh, g, m, d] fp32 out (with vc): each head's attention over its visible blocks, 0 where none
+ *   lse      [bh, g, m] fp32 out (with vc): its log-sum-exp, -inf where no block is visible
  *   scores   [bh, m, free] fp32 out: the chosen blocks' importance, -inf for a slot with no block left
  *   indices  [bh, m, free] int64 out: the chosen fine blocks, most important first (ties: the earlier
  *            block), 0 for an empty slot
@@ -19,8 +25,8 @@
 #define QUERIES 8 /* consecutive queries scored together: each key tile loaded serves them all */
 
 typedef struct {
-    const float *q, *kc_t;
-    float *scores;
+    const float *q, *kc_t, *vc;
+    float *scores, *out, *lse;
     int64_t *indices;
     int64_t bh, g, m, d, blocks, blocks_tiled, block, stride, fine_block, unit, forced, free;
     float scale;
@@ -48,11 +54,45 @@ INLINE void rows_scores(float *scores, int64_t ld, const float *q, const float *
     }
 }
 
+/* out[r] = inverse[r] * sum over j < count of weights[r][j] * values[j], for ROWS_AT_ONCE rows (row
+ * stride ld for weights, d for out): each value row loaded serves them all, the sums in vector
+ * registers (d a constant multiple of TILE after inlining). Weights past a row's own count are 0. */
+#define ROWS_AT_ONCE 4
+INLINE void rows_weighted_values(float *const *out, const float *weights, int64_t ld, const float *inverse,
+                                 const float *values, int64_t count, const int64_t d) {
+    if (d % TILE || d > MAX_DIM) { /* any other width: plain multiply-adds */
+        for (int r = 0; r < ROWS_AT_ONCE; r++) {
+            if (!out[r]) continue;
+            memset(out[r], 0, d * sizeof(float));
+            for (int64_t j = 0; j < count; j++) {
+                const float a = weights[r * ld + j] * inverse[r];
+#pragma omp simd
+                for (int64_t e = 0; e < d; e++) out[r][e] += a * values[j * d + e];
+            }
+        }
+        return;
+    }
+    vec acc[ROWS_AT_ONCE][MAX_DIM / TILE];
+    for (int r = 0; r < ROWS_AT_ONCE; r++)
+        for (int64_t x = 0; x < d / TILE; x++) acc[r][x] = (vec){0};
+    for (int64_t j = 0; j < count; j++) {
+        const float *row = values + j * d;
+        for (int64_t x = 0; x < d / TILE; x++) {
+            const vec v = *(const vec *)(row + x * TILE);
+            for (int r = 0; r < ROWS_AT_ONCE; r++) acc[r][x] += weights[r * ld + j] * v;
+        }
+    }
+    for (int r = 0; r < ROWS_AT_ONCE; r++)
+        if (out[r])
+            for (int64_t x = 0; x < d / TILE; x++) *(vec *)(out[r] + x * TILE) = acc[r][x] * inverse[r];
+}
+
 /* probs[r][0..visible_r) = the group's summed softmax over the compressed blocks visible to query
- * t0 + r, for the QUERIES queries from t0 (rows past the sequence repeat its last query) */
+ * t0 + r, for the QUERIES queries from t0 (rows past the sequence repeat its last query); with
+ * values, each head's output and log-sum-exp too */
 INLINE void group_probabilities(const Problem *p, int64_t b, int64_t t0, const int64_t *visible, float *scores,
                                 float *probs, float *q, const int64_t d) {
-    const int64_t ld = p->blocks_tiled, last = p->m - 1;
+    const int64_t ld = p->blocks_tiled, last = p->m - 1, most = visible[QUERIES - 1];
     const float *tiles = p->kc_t + b * p->blocks_tiled * d;
     memset(probs, 0, QUERIES * ld * sizeof(float));
     for (int64_t h = 0; h < p->g; h++) {
@@ -60,16 +100,31 @@ INLINE void group_probabilities(const Problem *p, int64_t b, int64_t t0, const i
             const int64_t t = t0 + r < last ? t0 + r : last;
             memcpy(q + r * d, p->q + ((b * p->g + h) * p->m + t) * d, d * sizeof(float));
         }
-        rows_scores(scores, ld, q, tiles, d, visible[QUERIES - 1], p->scale);
+        rows_scores(scores, ld, q, tiles, d, most, p->scale);
+        float inverse[QUERIES];
         for (int r = 0; r < QUERIES; r++) {
             float *row = scores + r * ld, *sum = probs + r * ld;
-            const int64_t count = visible[r];
-            if (count == 0) continue;
+            const int64_t count = visible[r], head_row = (b * p->g + h) * p->m + t0 + r;
+            for (int64_t j = count; j < most; j++) row[j] = 0.0f; /* blocks this query cannot see yet */
+            inverse[r] = 0.0f;
+            if (count == 0) {
+                if (p->vc && t0 + r < p->m) p->lse[head_row] = -INFINITY;
+                continue;
+            }
             float total;
-            exp_less_max(row, count, &total);
-            const float inverse = 1.0f / total;
+            const float lse = exp_less_max(row, count, &total);
+            if (p->vc && t0 + r < p->m) p->lse[head_row] = lse;
+            inverse[r] = 1.0f / total;
 #pragma omp simd
-            for (int64_t j = 0; j < count; j++) sum[j] += row[j] * inverse;
+            for (int64_t j = 0; j < count; j++) sum[j] += row[j] * inverse[r];
+        }
+        if (!p->vc) continue;
+        const float *values = p->vc + b * p->blocks * d;
+        for (int r0 = 0; r0 < QUERIES; r0 += ROWS_AT_ONCE) {
+            float *out[ROWS_AT_ONCE];
+            for (int r = 0; r < ROWS_AT_ONCE; r++)
+                out[r] = t0 + r0 + r < p->m ? p->out + ((b * p->g + h) * p->m + t0 + r0 + r) * d : NULL;
+            rows_weighted_values(out, scores + r0 * ld, ld, inverse + r0, values, most, d);
         }
     }
 }
@@ -139,10 +194,11 @@ static void *select_work(void *arg) {
 
 static int64_t gcd(int64_t a, int64_t b) { return b ? gcd(b, a % b) : a; }
 
-int block_selection(const float *q, const float *kc_t, float *scores, int64_t *indices, int64_t bh, int64_t g,
-                    int64_t m, int64_t d, int64_t blocks, int64_t block, int64_t stride, int64_t fine_block,
-                    int64_t forced, int64_t free, float scale, int threads) {
-    Problem p = {.q = q, .kc_t = kc_t, .scores = scores, .indices = indices, .bh = bh, .g = g, .m = m, .d = d,
+int block_selection(const float *q, const float *kc_t, const float *vc, float *scores, int64_t *indices, float *out,
+                    float *lse, int64_t bh, int64_t g, int64_t m, int64_t d, int64_t blocks, int64_t block,
+                    int64_t stride, int64_t fine_block, int64_t forced, int64_t free, float scale, int threads) {
+    Problem p = {.q = q, .kc_t = kc_t, .vc = vc, .scores = scores, .indices = indices, .out = out, .lse = lse,
+                 .bh = bh, .g = g, .m = m, .d = d,
                  .blocks = blocks, .blocks_tiled = (blocks + TILE - 1) / TILE * TILE, .block = block,
                  .stride = stride, .fine_block = fine_block, .unit = gcd(gcd(block, stride), fine_block),
                  .forced = forced, .free = free, .scale = scale};

@@ -23,7 +23,9 @@ forced blocks run as tiled attention over [initial | previous | own] tiles
 (models/attention/tiled.py), the freely chosen blocks are gathered (kernels/selected_attention/),
 and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the CPU
 (kernel auto or cpu), C kernels take over: block selection is one pass per query from its
-compressed scores to its chosen blocks (kernels/compressed_attention/selection.c), and the
+compressed scores to its chosen blocks (kernels/compressed_attention/selection.c), which in fp32
+also gives the compressed branch's output from the same probabilities (the paper's reuse: each
+query is scored against the compressed keys once; the backward is flash attention's), and the
 selected blocks and the window are spans of keys for one kernel (kernels/span_attention/) that
 reads each query's keys where they lie, applies the rotary positions and the gate itself, and
 keeps only the log-sum-exp besides its inputs for the backward. Decoding (queries after a cache)
@@ -47,7 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from kernels import at_least_fp32, triton_runnable
 from kernels import span_attention as spans
 from kernels.compressed_attention import (block_selection, causal_block_attention, compressed_attention,
-                                          cpu_block_selection, cpu_selection_available)
+                                          cpu_block_selection, cpu_compressed_selection, cpu_selection_available)
 from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
@@ -157,6 +159,13 @@ class NativeSparseAttention(nn.Module):
         On the CPU kernels the local branches need no recomputation: they keep nothing but their
         log-sum-exps. Block selection needs no gradient: it runs once, outside the recomputation."""
         k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
+        if self._cpu_kernels(q) and q.dtype == torch.float32:  # one pass scores the compressed keys for both
+            kc, vc = checkpoint(self._compress, k_cmp, v_cmp, use_reentrant=False)
+            out_cmp, scores, indices = cpu_compressed_selection(
+                q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
+                self.fine_block, self._num_forced(), self._num_free(k_cmp.shape[2]))
+            out = torch.sigmoid(gates[0]) * out_cmp.view_as(q)
+            return out + self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)
         scores, indices = self._selection(q, k_cmp)
         out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
                          context_fn=_keep_causal_attention)
@@ -181,8 +190,11 @@ class NativeSparseAttention(nn.Module):
                                           rotate=rotate)
         return (out_slc + out_win).view(b, h, -1, m, q.shape[-1])
 
+    def _compress(self, k_cmp: Tensor, v_cmp: Tensor) -> tuple[Tensor, Tensor]:
+        return self.compress_k(k_cmp), self.compress_v(v_cmp)
+
     def _compressed_part(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, gate: Tensor) -> Tensor:
-        kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)
+        kc, vc = self._compress(k_cmp, v_cmp)
         out = causal_block_attention(q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block,
                                      self.compress_k.stride)
         return torch.sigmoid(gate) * out.view_as(q)

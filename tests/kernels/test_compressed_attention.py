@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels.compressed_attention.reference as module
-from kernels.compressed_attention import compressed_attention, cpu_block_selection, cpu_selection_available
+from kernels.compressed_attention import (compressed_attention, cpu_block_selection, cpu_compressed_selection,
+                                          cpu_selection_available)
 from kernels.compressed_attention.naive import compressed_attention as naive
 
 
@@ -138,6 +139,39 @@ def test_cpu_selection_matches_dense_formulation(bh, g, m, d, block, stride, fin
     torch.testing.assert_close(scores[valid].double(), ref_scores[valid], rtol=1e-5, atol=1e-6)
     assert torch.equal(indices[valid], ref_indices[valid])
     assert (indices[~valid] == 0).all()
+
+
+@pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
+@pytest.mark.parametrize("bh,g,m,d,block,stride,fine,forced,free", SELECTION_CASES + [(2, 2, 83, 64, 16, 8, 16, 3, 1)],
+                         ids=[f"BH{c[0]}-G{c[1]}-Q{c[2]}-D{c[3]}-l{c[4]}-d{c[5]}-f{c[6]}-F{c[7]}-n{c[8]}"
+                              for c in SELECTION_CASES + [(2, 2, 83, 64, 16, 8, 16, 3, 1)]])
+def test_cpu_selection_with_the_attention_output_matches_dense_attention(bh, g, m, d, block, stride, fine, forced,
+                                                                         free):
+    """The pass that also gives the compressed branch's output: its values and every gradient
+    against the dense formulation, its choice the selection kernel's own, on 1 and 3 threads alike."""
+    gen = torch.Generator().manual_seed(1)
+    blocks = max(0, (m - block) // stride + 1)
+    q, kc, vc = (torch.randn(*shape, dtype=torch.float64, generator=gen)
+                 for shape in ((bh, g, m, d), (bh, blocks, d), (bh, blocks, d)))
+    dout = torch.randn(bh, g, m, d, dtype=torch.float64, generator=gen)
+    ref, _ = naive(q.requires_grad_(), kc.requires_grad_(), vc.requires_grad_(), 0, block, stride, fine, -(-m // fine))
+    ref_grads = torch.autograd.grad(ref, (q, kc, vc), dout) if blocks else [torch.zeros_like(t) for t in (q, kc, vc)]
+    previous, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            inputs = [t.detach().float().requires_grad_() for t in (q, kc, vc)]
+            out, scores, indices = cpu_compressed_selection(*inputs, block, stride, fine, forced, free)
+            results.append((out, scores, indices, torch.autograd.grad(out, inputs, dout.float())))
+    finally:
+        torch.set_num_threads(previous)
+    out, scores, indices, grads = results[0]
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(cpu_block_selection(q.float(), kc.float(), block, stride, fine,
+                                                                     forced, free), (scores, indices)))
+    assert torch.equal(results[1][0], out) and torch.equal(results[1][2], indices)
 
 
 @pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")

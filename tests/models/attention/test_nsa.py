@@ -112,8 +112,9 @@ def test_window_sees_exactly_the_last_w_tokens(kernel):
 @pytest.mark.parametrize("diff_topk", [False, True])
 @pytest.mark.parametrize("n", [23, 64, 77])
 def test_cpu_kernel_trains_as_the_torch_path(n, diff_topk):
-    """A training forward and backward on the CPU kernels (block selection, span attention) gives
-    the outputs and gradients of the PyTorch path, at lengths off every block size."""
+    """A training forward and backward on the CPU kernels (block selection with the compressed
+    branch's output, span attention) gives the outputs and gradients of the PyTorch path, at
+    lengths off every block size."""
     knobs = dict(dim=32, heads=4, dim_head=16, kv_heads=2, sliding_window_size=8, compress_block_size=8,
                  compress_stride=4, fine_block_size=8, num_fine_selected=4, diff_topk=diff_topk)
     torch.manual_seed(0)
