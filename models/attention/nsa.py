@@ -141,7 +141,8 @@ class NativeSparseAttention(nn.Module):
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens."""
         q = rearrange(self.to_q(x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
-        kv = rearrange(self.to_kv(x), "b n (s h d) -> s b h n d", s=2 * BRANCHES, h=self.kv_heads)
+        # six [b, h, n, d] views of one projection: their gradients are stacked straight into its layout
+        kv = tuple(t.transpose(1, 2) for t in self.to_kv(x).unflatten(-1, (2 * BRANCHES, self.kv_heads, -1)).unbind(2))
         gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
         if cache is not None or not torch.is_grad_enabled():
             out = self._attend(q, kv, gates, cache)
@@ -151,7 +152,7 @@ class NativeSparseAttention(nn.Module):
             out = self._train(q, kv, gates)
         return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
 
-    def _train(self, q: Tensor, kv: Tensor, gates: Tensor) -> Tensor:
+    def _train(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor) -> Tensor:
         """The training forward: each branch, gated, is recomputed on its own in the backward pass
         (as flash attention recomputes its probabilities), so a layer keeps x, the query and
         key/value projections, the gates and the compressed branch's fused-attention output (less
@@ -209,9 +210,9 @@ class NativeSparseAttention(nn.Module):
         q_rot, k = self.rotary(q.flatten(1, 2)).view_as(q), self.rotary(k)
         return torch.sigmoid(gate) * self._window(q_rot, k, v, 0)
 
-    def _attend(self, q: Tensor, kv: Tensor, gates: Tensor, cache: Optional[dict] = None) -> Tensor:
+    def _attend(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor, cache: Optional[dict] = None) -> Tensor:
         """The three branches mixed by their gates, in one go (inference, decoding after `cache`,
-        differentiable selection): q [b, h, g, n, d], kv [6, b, h, n, d] (compressed, selected,
+        differentiable selection): q [b, h, g, n, d], kv six [b, h, n, d] (compressed, selected,
         window keys and values), gate logits [3, b, h, g, n, 1] -> [b, h, g, n, d]."""
         b, h, g, m, d = q.shape
         start = 0 if cache is None else cache.get("pos", 0)
