@@ -89,22 +89,37 @@ def causal_block_attention(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride
 
 def _to_rows(x: Tensor, block: int, stride: int, blocks: int) -> Tensor:
     """Queries from position 0 [bh, g, seq, ...] -> rows of blocks [bh, g * stride, blocks, ...]: the
-    queries that see blocks 0..s at row index s, those that see none left out, zeros past the end."""
+    queries that see blocks 0..s at row index s, those that see none left out, zeros past the end.
+    One pass over x (a pad and then a reshape would copy it twice)."""
     bh, g, m = x.shape[:3]
-    first = min(m, block - 1)
-    pad = [0, 0] * (x.dim() - 3) + [0, blocks * stride - (m - first)]
-    rows = F.pad(x[:, :, first:], pad).view(bh, g, blocks, stride, *x.shape[3:]).transpose(2, 3)
-    return rows.reshape(bh, g * stride, blocks, *x.shape[3:])
+    first, whole, rest = _row_split(m, block, stride)
+    rows = x.new_empty(bh, g, stride, blocks, *x.shape[3:])  # [bh, g, offset in the stride, row, ...]
+    rows[:, :, :, :whole] = x[:, :, first : first + whole * stride].unflatten(2, (whole, stride)).transpose(2, 3)
+    if whole < blocks:  # the last row holds the queries left, then zeros
+        rows[:, :, rest:, whole] = 0
+        rows[:, :, :rest, whole] = x[:, :, first + whole * stride :]
+    return rows.flatten(1, 2)
 
 
 def _from_rows(rows: Tensor, block: int, stride: int, m: int) -> Tensor:
     """The inverse of _to_rows for [bh, g * stride, blocks, ...] -> [bh, g, m, ...], zeros where no
-    block is visible."""
-    bh, _, blocks = rows.shape[:3]
-    g, first = rows.shape[1] // stride, min(m, block - 1)
-    x = rows.view(bh, g, stride, blocks, *rows.shape[3:]).transpose(2, 3).reshape(bh, g, blocks * stride,
-                                                                                  *rows.shape[3:])
-    return F.pad(x[:, :, : m - first], [0, 0] * (rows.dim() - 3) + [first, 0])
+    block is visible, in one pass."""
+    bh, g = rows.shape[0], rows.shape[1] // stride
+    first, whole, rest = _row_split(m, block, stride)
+    rows = rows.unflatten(1, (g, stride))  # [bh, g, offset, row, ...]
+    x = rows.new_empty(bh, g, m, *rows.shape[4:])
+    x[:, :, :first] = 0
+    x[:, :, first : first + whole * stride].unflatten(2, (whole, stride)).copy_(rows[:, :, :, :whole].transpose(2, 3))
+    if rest:
+        x[:, :, first + whole * stride :] = rows[:, :, :rest, whole]
+    return x
+
+
+def _row_split(m: int, block: int, stride: int) -> tuple[int, int, int]:
+    """(queries before the first complete block, rows whose every offset holds a query, queries in
+    the last, partial row)."""
+    first = min(m, block - 1)
+    return first, (m - first) // stride, (m - first) % stride
 
 
 def cpu_selection_available() -> bool:
