@@ -145,8 +145,9 @@ def cpu_block_selection(q: Tensor, kc: Tensor, block: int, stride: int, fine_blo
 def cpu_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int, fine_block: int, forced: int,
                              free: int) -> tuple[Tensor, Tensor, Tensor]:
     """cpu_block_selection and the compressed branch's attention (as causal_block_attention) from the
-    same pass, fp32: q [bh, g, seq, d], kc, vc [bh, blocks, d] -> out [bh, g, seq, d], scores, indices
-    [bh, seq, free]. out passes gradient to q, kc and vc; the selection passes none."""
+    same pass: q [bh, g, seq, d], kc, vc [bh, blocks, d] -> out [bh, g, seq, d], scores, indices
+    [bh, seq, free]. out passes gradient to q, kc and vc; the selection passes none. The pass runs
+    in fp32, the backward (flash attention's) in q's dtype."""
     return _CompressedSelection.apply(q, kc, vc, (block, stride, fine_block, forced, free))
 
 
@@ -155,6 +156,7 @@ class _CompressedSelection(torch.autograd.Function):
     def forward(ctx, q, kc, vc, knobs):
         block, stride, fine_block, forced, free = knobs
         out, lse, scores, indices = _run_selection(q, kc, vc, block, stride, fine_block, forced, free)
+        out = out.to(q.dtype)
         ctx.knobs = knobs
         ctx.save_for_backward(q, kc, vc, out, lse)
         ctx.mark_non_differentiable(scores, indices)
@@ -172,8 +174,9 @@ class _CompressedSelection(torch.autograd.Function):
         # so they add nothing to the key and value gradients
         lse_rows = rows(lse[..., None])[..., 0]
         dq, dkc, dvc = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            rows(dout.contiguous()), rows(q), kc[:, None], vc[:, None], rows(out), lse_rows, 0.0, True)
-        return _from_rows(dq, block, stride, m), dkc[:, 0], dvc[:, 0], None
+            rows(dout.to(q.dtype)), rows(q), kc[:, None].to(q.dtype), vc[:, None].to(q.dtype), rows(out), lse_rows,
+            0.0, True)
+        return _from_rows(dq, block, stride, m), dkc[:, 0].to(kc.dtype), dvc[:, 0].to(vc.dtype), None
 
 
 def _run_selection(q: Tensor, kc: Tensor, vc: Optional[Tensor], block: int, stride: int, fine_block: int, forced: int,

@@ -23,7 +23,7 @@ forced blocks run as tiled attention over [initial | previous | own] tiles
 (models/attention/tiled.py), the freely chosen blocks are gathered (kernels/selected_attention/),
 and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the CPU
 (kernel auto or cpu), C kernels take over: block selection is one pass per query from its
-compressed scores to its chosen blocks (kernels/compressed_attention/selection.c), which in fp32
+compressed scores to its chosen blocks (kernels/compressed_attention/selection.c), which
 also gives the compressed branch's output from the same probabilities (the paper's reuse: each
 query is scored against the compressed keys once; the backward is flash attention's), and the
 selected blocks and the window are spans of keys for one kernel (kernels/span_attention/) that
@@ -49,7 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from kernels import at_least_fp32, triton_runnable
 from kernels import span_attention as spans
 from kernels.compressed_attention import (block_selection, causal_block_attention, compressed_attention,
-                                          cpu_block_selection, cpu_compressed_selection, cpu_selection_available)
+                                          cpu_compressed_selection, cpu_selection_available)
 from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
@@ -155,12 +155,13 @@ class NativeSparseAttention(nn.Module):
     def _train(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor) -> Tensor:
         """The training forward: each branch, gated, is recomputed on its own in the backward pass
         (as flash attention recomputes its probabilities), so a layer keeps x, the query and
-        key/value projections, the gates and the compressed branch's fused-attention output (less
-        than dense attention keeps), and its backward holds one branch's activations at a time.
-        On the CPU kernels the local branches need no recomputation: they keep nothing but their
-        log-sum-exps. Block selection needs no gradient: it runs once, outside the recomputation."""
+        key/value projections, the gates and the compressed branch's attention output (less than
+        dense attention keeps), and its backward holds one branch's activations at a time. On the
+        CPU kernels the local branches need no recomputation: they keep nothing but their
+        log-sum-exps, and block selection comes with the compressed branch's forward. Block
+        selection needs no gradient: it runs once, outside the recomputation."""
         k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
-        if self._cpu_kernels(q) and q.dtype == torch.float32:  # one pass scores the compressed keys for both
+        if self._cpu_kernels(q):  # one pass scores the compressed keys for selection and attention
             kc, vc = checkpoint(self._compress, k_cmp, v_cmp, use_reentrant=False)
             out_cmp, scores, indices = cpu_compressed_selection(
                 q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
@@ -170,8 +171,6 @@ class NativeSparseAttention(nn.Module):
         scores, indices = self._selection(q, k_cmp)
         out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
                          context_fn=_keep_causal_attention)
-        if self._cpu_kernels(q):
-            return out + self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)
         out = out + checkpoint(self._selected_part, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
         return out + checkpoint(self._window_part, q, k_win, v_win, gates[2], use_reentrant=False)
 
@@ -239,11 +238,9 @@ class NativeSparseAttention(nn.Module):
 
     @torch.no_grad()
     def _selection(self, q: Tensor, k_cmp: Tensor) -> tuple[Tensor, Tensor]:
-        """The free blocks of a training forward, chosen from position 0: (scores, indices) [bh, n, free]."""
+        """The free blocks of a training forward off the CPU kernels, chosen from position 0:
+        (scores, indices) [bh, n, free]."""
         kc = self.compress_k(k_cmp)
-        if self._cpu_kernels(q):
-            return cpu_block_selection(q.flatten(0, 1), kc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
-                                       self.fine_block, self._num_forced(), self._num_free(k_cmp.shape[2]))
         return block_selection(q.flatten(0, 1), kc.flatten(0, 1), 0, self.compress_k.block, self.compress_k.stride,
                                self.fine_block, self._chooser(k_cmp.shape[2]))
 

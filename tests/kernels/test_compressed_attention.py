@@ -196,3 +196,22 @@ def test_cpu_selection_is_the_same_on_any_number_of_threads():
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
+def test_cpu_selection_with_the_attention_output_keeps_bf16_inputs_bf16():
+    """bf16 (autocast) inputs: the pass runs in fp32, the output and every gradient come back in
+    bf16, close to the dense formulation on the same rounded inputs."""
+    gen = torch.Generator().manual_seed(2)
+    q, kc, vc = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((2, 2, 83, 64), (2, 9, 64), (2, 9, 64)))
+    dout = torch.randn(2, 2, 83, 64, generator=gen).bfloat16()
+    inputs = [t.clone().requires_grad_() for t in (q, kc, vc)]
+    out, _, _ = cpu_compressed_selection(*inputs, 16, 8, 16, 3, 1)
+    grads = torch.autograd.grad(out, inputs, dout)
+    exact = [t.double().requires_grad_() for t in (q, kc, vc)]
+    ref, _ = naive(*exact, 0, 16, 8, 16, 6)
+    ref_grads = torch.autograd.grad(ref, exact, dout.double())
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=5e-2, atol=5e-2)
