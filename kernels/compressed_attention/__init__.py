@@ -22,12 +22,11 @@ segments of u = gcd(block, stride, fine_block) tokens; compressed block i spread
 evenly over its block / u segments, and a fine block sums its fine_block / u segments. That is the
 token-overlap fraction exactly, in O(blocks * block / u) per query.
 
-On the CPU, `cpu_block_selection` does a training step's selection in C (selection.c, compiled
-on first use by kernels/native.py): one pass per query from its scores to its chosen blocks.
-`cpu_compressed_selection` adds the compressed branch's output to the same pass (each query is
-scored against the compressed blocks once, not once for selection and again for attention); its
-backward is PyTorch's flash attention backward over the rows of blocks above, given the output and
-log-sum-exp the pass kept.
+On the CPU, `cpu_compressed_selection` does a training step's selection and the compressed
+branch's forward in C (selection.c, compiled on first use by kernels/native.py): one pass per query
+from its scores to its output and its chosen blocks, so each query is scored against the compressed
+blocks once, not once for selection and again for attention. Its backward is PyTorch's flash
+attention backward over the rows of blocks above, given the output and log-sum-exp the pass kept.
 """
 
 import ctypes
@@ -123,39 +122,49 @@ def _row_split(m: int, block: int, stride: int) -> tuple[int, int, int]:
 
 
 def cpu_selection_available() -> bool:
-    """Whether cpu_block_selection's C kernel is built (or can be built) here."""
+    """Whether cpu_compressed_selection's C kernel is built (or can be built) here."""
     return _library() is not None
-
-
-def cpu_block_selection(q: Tensor, kc: Tensor, block: int, stride: int, fine_block: int, forced: int, free: int
-                        ) -> tuple[Tensor, Tensor]:
-    """The `free` most important fine blocks of each query from position 0, on the CPU kernel, in fp32.
-
-    q        [batch_kv, group, seq_q, dim_head]
-    kc       [batch_kv, blocks, dim_head]  compressed keys, blocks from 0
-    forced   how many of (own block, initial block, previous block), in that priority, are always
-             attended and so never chosen here
-    returns  scores, indices [batch_kv, seq_q, free]: importance (as compressed_attention's, summed
-             over the group) and fine-block index, most important first, ties to the earlier block;
-             score -inf (index 0) where no block is left for a slot
-    """
-    return _run_selection(q, kc, None, block, stride, fine_block, forced, free)[2:]
 
 
 def cpu_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int, fine_block: int, forced: int,
                              free: int) -> tuple[Tensor, Tensor, Tensor]:
-    """cpu_block_selection and the compressed branch's attention (as causal_block_attention) from the
-    same pass: q [bh, g, seq, d], kc, vc [bh, blocks, d] -> out [bh, g, seq, d], scores, indices
-    [bh, seq, free]. out passes gradient to q, kc and vc; the selection passes none. The pass runs
-    in fp32, the backward (flash attention's) in q's dtype."""
+    """The compressed branch's attention (as causal_block_attention) and the `free` most important
+    fine blocks of each query from position 0, from one pass of the CPU kernel.
+
+    q        [batch_kv, group, seq_q, dim_head]
+    kc, vc   [batch_kv, blocks, dim_head]  compressed keys and values, blocks from 0
+    forced   how many of (own block, initial block, previous block), in that priority, are always
+             attended and so never chosen here
+    returns  out [batch_kv, group, seq_q, dim_head] in q's dtype, passing gradient to q, kc and vc;
+             scores, indices [batch_kv, seq_q, free] without gradient: importance (as
+             compressed_attention's, summed over the group) and fine-block index, most important
+             first, ties to the earlier block; score -inf (index 0) where no block is left for a slot
+
+    The pass runs in fp32, the backward (flash attention's) in q's dtype.
+    """
     return _CompressedSelection.apply(q, kc, vc, (block, stride, fine_block, forced, free))
 
 
 class _CompressedSelection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kc, vc, knobs):
+        library = _library()
+        if library is None:
+            raise RuntimeError("the block-selection CPU kernel could not be built here (no working C compiler)")
         block, stride, fine_block, forced, free = knobs
-        out, lse, scores, indices = _run_selection(q, kc, vc, block, stride, fine_block, forced, free)
+        bh, g, m, d = q.shape
+        q32, vc32 = q.float().contiguous(), vc.float().contiguous()
+        kc_t = transposed_tiles(kc.float())  # held here: a pointer does not keep its tensor alive
+        out, lse = torch.empty_like(q32), q32.new_empty(bh, g, m)
+        scores = q32.new_empty(bh, m, free)
+        indices = torch.empty(bh, m, free, dtype=torch.int64)
+        status = library.block_selection(pointer(q32), pointer(kc_t), pointer(vc32), pointer(scores), pointer(indices),
+                                         pointer(out), pointer(lse), bh, g, m, d, kc.shape[1], block, stride,
+                                         fine_block, forced, free, ctypes.c_float(d**-0.5), torch.get_num_threads())
+        if status:
+            raise MemoryError("block selection: a thread could not allocate its scores")
+        if kc.shape[1] == 0:  # no block at all: vc's empty data reads as NULL in C, which writes no output
+            out.zero_(), lse.fill_(float("-inf"))
         out = out.to(q.dtype)
         ctx.knobs = knobs
         ctx.save_for_backward(q, kc, vc, out, lse)
@@ -177,29 +186,6 @@ class _CompressedSelection(torch.autograd.Function):
             rows(dout.to(q.dtype)), rows(q), kc[:, None].to(q.dtype), vc[:, None].to(q.dtype), rows(out), lse_rows,
             0.0, True)
         return _from_rows(dq, block, stride, m), dkc[:, 0].to(kc.dtype), dvc[:, 0].to(vc.dtype), None
-
-
-def _run_selection(q: Tensor, kc: Tensor, vc: Optional[Tensor], block: int, stride: int, fine_block: int, forced: int,
-                   free: int) -> tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
-    """The C pass: (out, lse) when vc is given (else None, None), and scores, indices."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the block-selection CPU kernel could not be built here (no working C compiler)")
-    bh, g, m, d = q.shape
-    q = q.detach().float().contiguous()
-    kc_t = transposed_tiles(kc.detach().float())  # held here: a pointer does not keep its tensor alive
-    vc = None if vc is None else vc.detach().float().contiguous()
-    out, lse = (None, None) if vc is None else (torch.empty_like(q), q.new_empty(bh, g, m))
-    scores = q.new_empty(bh, m, free)
-    indices = torch.empty(bh, m, free, dtype=torch.int64)
-    status = library.block_selection(pointer(q), pointer(kc_t), pointer(vc), pointer(scores), pointer(indices),
-                                     pointer(out), pointer(lse), bh, g, m, d, kc.shape[1], block, stride, fine_block,
-                                     forced, free, ctypes.c_float(d**-0.5), torch.get_num_threads())
-    if status:
-        raise MemoryError("block selection: a thread could not allocate its scores")
-    if vc is not None and kc.shape[1] == 0:  # no block at all: vc's empty data reads as NULL in C
-        out.zero_(), lse.fill_(float("-inf"))
-    return out, lse, scores, indices
 
 
 def _library() -> Optional[ctypes.CDLL]:

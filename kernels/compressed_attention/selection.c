@@ -10,7 +10,7 @@
  * Layouts (contiguous):
  *   q        [bh, g, m, d] fp32, the query at position t is row t
  *   kc_t     [bh, blocks / TILE, d, TILE] fp32, the compressed keys in transposed tiles
- *   vc       [bh, blocks, d] fp32, the compressed values, or NULL: no output
+ *   vc       [bh, blocks, d] fp32, the compressed values, or NULL (no blocks): no output
  *   out      [bh, g, m, d] fp32 out (with vc): each head's attention over its visible blocks, 0 where none
  *   lse      [bh, g, m] fp32 out (with vc): its log-sum-exp, -inf where no block is visible
  *   scores   [bh, m, free] fp32 out: the chosen blocks' importance, -inf for a slot with no block left
@@ -22,7 +22,8 @@
 
 #include "native.h"
 
-#define QUERIES 8 /* consecutive queries scored together: each key tile loaded serves them all */
+#define QUERIES 8      /* consecutive queries scored together: each key tile loaded serves them all */
+#define ROWS_AT_ONCE 4 /* queries weighting the values together: each value row loaded serves them all */
 
 typedef struct {
     const float *q, *kc_t, *vc;
@@ -57,7 +58,6 @@ INLINE void rows_scores(float *scores, int64_t ld, const float *q, const float *
 /* out[r] = inverse[r] * sum over j < count of weights[r][j] * values[j], for ROWS_AT_ONCE rows (row
  * stride ld for weights, d for out): each value row loaded serves them all, the sums in vector
  * registers (d a constant multiple of TILE after inlining). Weights past a row's own count are 0. */
-#define ROWS_AT_ONCE 4
 INLINE void rows_weighted_values(float *const *out, const float *weights, int64_t ld, const float *inverse,
                                  const float *values, int64_t count, const int64_t d) {
     if (d % TILE || d > MAX_DIM) { /* any other width: plain multiply-adds */
