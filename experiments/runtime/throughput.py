@@ -8,7 +8,9 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from kernels import flops as kernel_flops
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.3) -> float:
@@ -44,17 +46,44 @@ def training_flops_per_token(model: nn.Module, seq_len: int, device: torch.devic
 
 
 def counted_flops(model: nn.Module, loss_fn) -> float:
-    """FLOPs of loss_fn() and its backward, in eval mode (no dropout); gradients are dropped after."""
+    """FLOPs of loss_fn() and its backward, in eval mode (no dropout); gradients are dropped after.
+    PyTorch's counter, taught the CPU's fused attention, plus what our own kernels report."""
     was_training = model.training
     model.eval()
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS)
     try:
-        with counter:
+        with counter, kernel_flops.counting() as kernels:
             loss_fn().backward()
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    return counter.get_total_flops()
+    return counter.get_total_flops() + kernels.total
+
+
+def _causal_share(s_q: int, s_k: int, is_causal: bool) -> float:
+    """The share of (query, key) pairs causal attention computes: query i sees keys 0..i (PyTorch's
+    is_causal); fused attention skips the rest, and so does this count."""
+    if not is_causal:
+        return 1.0
+    both = min(s_q, s_k)  # sum over i of min(i + 1, s_k)
+    return (both * (both + 1) / 2 + max(s_q - s_k, 0) * s_k) / (s_q * s_k)
+
+
+def _cpu_attention(query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> float:
+    return sdpa_flop_count(query, key, value) * _causal_share(query[2], key[2], is_causal and kwargs.get("attn_mask") is None)
+
+
+def _cpu_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *args,
+                            out_shape=None, **kwargs) -> float:
+    return (sdpa_backward_flop_count(grad_out, query, key, value)
+            * _causal_share(query[2], key[2], is_causal and kwargs.get("attn_mask") is None))
+
+
+# PyTorch's counter knows fused attention on CUDA only: on the CPU, dense attention counted nothing
+_CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
 
 
 def device_name(device: torch.device) -> str:

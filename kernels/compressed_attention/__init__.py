@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import flops
 from kernels.compressed_attention.reference import CompressedAttention, Layout, select
 from kernels.native import load, pointer, transposed_tiles
 
@@ -114,6 +115,12 @@ def _from_rows(rows: Tensor, block: int, stride: int, m: int) -> Tensor:
     return x
 
 
+def _visible_blocks(m: int, blocks: int, block: int, stride: int) -> int:
+    """Compressed blocks seen, summed over queries 0..m-1: query t sees those complete by t."""
+    t = torch.arange(min(block - 1, m), m)
+    return int(((t - block + 1) // stride + 1).clamp(max=blocks).sum())
+
+
 def _row_split(m: int, block: int, stride: int) -> tuple[int, int, int]:
     """(queries before the first complete block, rows whose every offset holds a query, queries in
     the last, partial row)."""
@@ -166,6 +173,7 @@ class _CompressedSelection(torch.autograd.Function):
         if kc.shape[1] == 0:  # no block at all: vc's empty data reads as NULL in C, which writes no output
             out.zero_(), lse.fill_(float("-inf"))
         out = out.to(q.dtype)
+        flops.attention(lambda: bh * _visible_blocks(m, kc.shape[1], block, stride), g, d)  # the backward: torch's
         ctx.knobs = knobs
         ctx.save_for_backward(q, kc, vc, out, lse)
         ctx.mark_non_differentiable(scores, indices)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import triton_interpreting
+from kernels import flops, triton_interpreting
 
 
 def check_supported(q: Tensor, block: int) -> None:
@@ -174,6 +174,8 @@ class TritonSelectedAttention(torch.autograd.Function):
             _forward[grid](q, k, v, indices, valid, w, out, lse, *scalars, **meta)
         ctx.save_for_backward(q, k, v, indices, valid, out, lse, weights)
         ctx.start, ctx.block = start, block
+        ctx.pairs = lambda: int(valid.sum()) * block  # whole blocks: a query's own block is masked, not skipped
+        flops.attention(ctx.pairs, q.shape[2], q.shape[-1])  # q [bh, m, group, d]
         return out, lse.to(q.dtype) if q.dtype == torch.float64 else lse
 
     @staticmethod
@@ -192,5 +194,6 @@ class TritonSelectedAttention(torch.autograd.Function):
         if q.shape[1]:
             _backward[grid](q, k, v, indices, valid, w, dout, lse, delta.contiguous(), dq, dk, dv, dw, *scalars,
                             **meta)
+        flops.attention(ctx.pairs, q.shape[2], q.shape[-1], backward=True)
         dweights = None if weights is None else dw.to(weights.dtype)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dweights

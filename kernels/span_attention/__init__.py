@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from kernels import flops
 from kernels.native import load, pointer, transposed_tiles
 
 _SOURCE = Path(__file__).with_name("span_attention.c")
@@ -70,6 +71,8 @@ class _SpanAttention(torch.autograd.Function):
         bh, g, m, d = q.shape
         out, lse = torch.empty_like(q), q.new_empty(bh, g, m)
         ctx.shape = _shape(q, k, spans)
+        ctx.pairs = lambda: _pairs(spans, bh)
+        flops.attention(ctx.pairs, g, d)
         k_t = transposed_tiles(k)  # held here: a pointer does not keep its tensor alive
         status = _library().span_attention_forward(
             pointer(q), pointer(k_t), pointer(v_rows), pointer(spans), pointer(weights), pointer(gate), pointer(out),
@@ -100,6 +103,7 @@ class _SpanAttention(torch.autograd.Function):
             *ctx.shape, ctypes.c_float(d**-0.5), threads)
         if status:
             raise MemoryError("span attention: a thread could not allocate its probabilities")
+        flops.attention(ctx.pairs, q.shape[1], d, backward=True)
         dk = dk.sum(0)
         if ctx.rotate is not None:  # the gradients of the rotated q and k, rotated back
             dq, dk = ctx.rotate(dq, True), ctx.rotate(dk, True)
@@ -118,6 +122,12 @@ def _shape(q: Tensor, k: Tensor, spans: Tensor) -> tuple:
     lengths = (spans[..., 1] - spans[..., 0]).clamp(min=0).sum(-1)
     max_keys = int(lengths.max()) if lengths.numel() else 0
     return (bh, g, m, d, k.shape[1], spans.shape[-2], max_keys, int(spans.dim() == 3))
+
+
+def _pairs(spans: Tensor, bh: int) -> int:
+    """(query, key) pairs of one head over all batch * kv heads."""
+    pairs = int((spans[..., 1] - spans[..., 0]).clamp(min=0).sum())
+    return pairs * bh if spans.dim() == 3 else pairs
 
 
 def _library() -> Optional[ctypes.CDLL]:

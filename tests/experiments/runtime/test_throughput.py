@@ -1,0 +1,28 @@
+"""Counted training FLOPs: attention included on the CPU, causal attention counted as the half it is."""
+
+import torch
+import torch.nn.functional as F
+
+from experiments.runtime.throughput import counted_flops
+
+
+def _count(fn, *leaves):
+    model = torch.nn.Module()  # counted_flops switches a module to eval mode and back
+    return counted_flops(model, lambda: fn(*leaves).sum())
+
+
+def test_fused_attention_on_the_cpu_is_counted_with_its_causal_half():
+    b, h, n, d = 1, 2, 64, 16
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    full = _count(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v)
+    causal = _count(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    # q.k and p.v forward; q.k again, dp, dv, dq, dk backward: 7 products of d multiply-adds a pair
+    assert full == 14 * b * h * n * n * d
+    assert causal == 14 * b * h * (n * (n + 1) // 2) * d  # query i sees keys 0..i
+
+
+def test_a_longer_sequence_counts_more_attention_per_token():
+    x = torch.randn(1, 2, 128, 16, requires_grad=True)
+    attend = lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True)  # noqa: E731
+    short, long = _count(attend, x[:, :, :64].detach().requires_grad_()), _count(attend, x)
+    assert long / 128 > short / 64
