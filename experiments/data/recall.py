@@ -50,6 +50,15 @@ class RecallData:
         targets = tokens[:, 1:].masked_fill(~answers[:, 1:], IGNORE)
         return tokens[:, :-1], targets, depth
 
+    @property
+    def train_seq_lens(self) -> tuple[int, ...]:
+        """Every length of training items."""
+        return (self.seq_len,)
+
+    def train_seq_len(self, step: int) -> int:
+        """The length of this step's training items."""
+        return self.seq_len
+
     def train_batch(self, batch_size: int, *, seed: int, step: int, micro: int = 0, rank: int = 0,
                     world_size: int = 1) -> Batch:
         """The global batch drawn once from its coordinates; each rank takes its own rows."""
@@ -166,11 +175,18 @@ class Passkey(RecallData):
             raise UserError(f"{key}={length} leaves no room for filler around the {needle}-byte needle and "
                             f"the {question}-byte question: raise {key} to {needle + question + 16} or more")
 
+    @property
+    def train_seq_lens(self) -> tuple[int, ...]:
+        return (self.curriculum_seq_len, self.seq_len) if self.curriculum_steps else (self.seq_len,)
+
+    def train_seq_len(self, step: int) -> int:
+        return self.curriculum_seq_len if step < self.curriculum_steps else self.seq_len
+
     def train_batch(self, batch_size: int, *, seed: int, step: int, micro: int = 0, rank: int = 0,
                     world_size: int = 1) -> Batch:
         """A full-length batch, or during the curriculum seq_len / curriculum_seq_len times as many
         short items per rank."""
-        if step >= self.curriculum_steps:
+        if self.train_seq_len(step) == self.seq_len:
             return super().train_batch(batch_size, seed=seed, step=step, micro=micro, rank=rank, world_size=world_size)
         return self._short.train_batch(batch_size * (self.seq_len // self.curriculum_seq_len), seed=seed, step=step,
                                        micro=micro, rank=rank, world_size=world_size)

@@ -103,7 +103,7 @@ class TextToImageTask(Task):
     def tokens_per_sample(self, prefix: str) -> int:
         return self.vae_stage.tokens_per_sample(prefix) if prefix == "vae_" else self.dalle.seq_len
 
-    def flops_per_token(self, prefix, net) -> float:
+    def flops_per_token(self, prefix, net, seq_len=None) -> float:  # one length: the text's and the image's
         if prefix == "vae_":
             return self.vae_stage.flops_per_token(prefix, net)
         return training_flops_per_token(net, net.seq_len, self.ctx.backend.device)

@@ -72,7 +72,7 @@ class DiscreteVAETask(Task):
     def tokens_per_sample(self, prefix: str) -> int:
         return self.vae.fmap_size**2
 
-    def flops_per_token(self, prefix, net) -> float:
+    def flops_per_token(self, prefix, net, seq_len=None) -> float:  # images of one size
         return vae_flops_per_token(net, self.ctx.backend.device)
 
     def micro_batch(self, step: int, micro: int):

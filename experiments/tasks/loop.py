@@ -56,7 +56,8 @@ class Loop:
         # counted before the backend wraps the models (ZeRO-3 partitions the parameters)
         self.param_counts = {prefix: sum(p.numel() for p in net.parameters()) for prefix, net in nets.items()}
         # FLOPs too: a wrapper's gradient hooks must see only training
-        self.flops = {prefix: task.flops_per_token(prefix, net.to(device)) for prefix, net in nets.items()}
+        self.flops = {(prefix, length): task.flops_per_token(prefix, net.to(device), length)
+                      for prefix, net in nets.items() for length in task.train_seq_lens()}
         for prefix, net in nets.items():
             trainee = backend.prepare(prefix, net, task.optimizer_for(prefix, self.optimizer))
             self.members.append(Member(trainee, task.schedule_for(prefix, self.schedule)(trainee.optimizer)))
@@ -71,7 +72,7 @@ class Loop:
             device=str(device),
             processor=device_name(device),  # what the speed figures were measured on
             precision=backend.precision,
-            flops_per_token=round(sum(self.flops.values())),
+            flops_per_token=round(self._flops_at(task.total_steps - 1, self.members)),  # at the full length
             matmul_peak_gflops=round(self.peak_flops / 1e9, 1),
             step=0,
         )
@@ -97,11 +98,12 @@ class Loop:
         samples_per_step = tr.batch_size * tr.grad_accum * self.backend.world_size
         bar = tqdm(total=self.task.total_steps, initial=start, desc="train", disable=not (tr.progress and run.is_main),
                    dynamic_ncols=True, mininterval=1.0)
-        window_t, window_steps = time.perf_counter(), 0
+        window_t, window_steps, window_flops = time.perf_counter(), 0, 0.0
         step, stopping = start, False
         while step < self.task.total_steps and not stopping:
             active = self.task.active(step)
             figures = self._train_step(step, active)
+            window_flops += self._flops_at(step, active)
             step += 1
             window_steps += 1
             bar.update(1)
@@ -110,7 +112,7 @@ class Loop:
             if step % tr.log_every == 0 or last or stage_ends:
                 elapsed = time.perf_counter() - window_t
                 tok_s = samples_per_step * self.task.tokens_per_sample(active[0].prefix) * window_steps / elapsed
-                flops = sum(self.flops[m.prefix] for m in active)
+                flops = window_flops / window_steps  # per token: a length curriculum's steps differ
                 row = {"step": step, **figures, "lr": active[0].schedule.get_last_lr()[0],
                        "tokens_per_s": round(tok_s, 1), "mfu": round(tok_s * flops / self.peak_flops, 4),
                        "wall_s": round(run.wall_s(), 2)}
@@ -119,7 +121,7 @@ class Loop:
                 loss_key = f"{active[0].prefix}loss"
                 bar.set_postfix(loss=f"{figures[loss_key]:.3f}", tok_s=f"{tok_s:,.0f}")
                 self._throughput.append((tok_s, flops, window_steps))
-                window_t, window_steps = time.perf_counter(), 0
+                window_t, window_steps, window_flops = time.perf_counter(), 0, 0.0
             # a signal may reach the ranks at different steps: they stop together, or collectives hang
             stopping = self.backend.all_reduce_mean(float(run.stop_requested)) > 0
             run.stop_requested |= stopping  # the summary says "interrupted" on every rank
@@ -136,6 +138,10 @@ class Loop:
             if window_steps == 0:  # evaluation time is not training time
                 window_t = time.perf_counter()
         bar.close()
+
+    def _flops_at(self, step: int, members: list[Member]) -> float:
+        """Counted training FLOPs per token of these members at this step's length."""
+        return sum(self.flops[m.prefix, self.task.train_seq_len(step)] for m in members)
 
     def _train_step(self, step: int, active: list[Member]) -> dict[str, float]:
         """One optimizer step of the active members on the same micro-batches -> {"loss", ...}."""

@@ -36,6 +36,12 @@ class RecallTask(Task):
                                 f"({data.vocab_size}): set model.num_tokens={data.vocab_size}")
         return nets
 
+    def train_seq_lens(self):
+        return self.ctx.data.train_seq_lens
+
+    def train_seq_len(self, step: int):  # shorter during a length curriculum (data=passkey)
+        return self.ctx.data.train_seq_len(step)
+
     def micro_batch(self, step: int, micro: int):
         tr, backend = self.ctx.trainer, self.ctx.backend
         inputs, targets, _ = self.ctx.data.train_batch(tr.batch_size, seed=tr.seed, step=step, micro=micro,

@@ -10,13 +10,14 @@ it). Each is a member of the loop, named by its prefix ("" for the model, "draft
     validation_metrics(member)    -> {"val_loss": ..., ...} (unprefixed)
     sample(step)                  -> write samples/ and log them
     tokens_per_sample(prefix)     -> what tokens/s counts while that member trains
-    flops_per_token(prefix, net)  -> counted training FLOPs per such token (MFU)
+    flops_per_token(prefix, net, seq_len)  -> counted training FLOPs per such token (MFU)
+    train_seq_lens(), train_seq_len(step)  -> the lengths it trains at, and this step's (None: its one)
 
 and, when it trains in stages, `active`, `total_steps`, `optimizer_for` and `schedule_for`.
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -83,9 +84,17 @@ class Task:
         """A sequence task's: every position of data.seq_len (image tasks count otherwise)."""
         return self.ctx.data.seq_len
 
-    def flops_per_token(self, prefix: str, net: nn.Module) -> float:
-        """A sequence model's training FLOPs per position at data.seq_len."""
-        return training_flops_per_token(net, self.ctx.data.seq_len, self.ctx.backend.device)
+    def flops_per_token(self, prefix: str, net: nn.Module, seq_len: Optional[int] = None) -> float:
+        """A sequence model's training FLOPs per position at seq_len (None: data.seq_len)."""
+        return training_flops_per_token(net, seq_len or self.ctx.data.seq_len, self.ctx.backend.device)
+
+    def train_seq_lens(self) -> tuple[Optional[int], ...]:
+        """Every length training steps run at, for flops_per_token (None: the task's one length)."""
+        return (None,)
+
+    def train_seq_len(self, step: int) -> Optional[int]:
+        """The length this step trains at, one of train_seq_lens()."""
+        return None
 
     # ---- stages (a task that trains its members one after another overrides these)
 

@@ -101,8 +101,12 @@ def test_the_length_curriculum_trains_on_short_items_then_at_full_length(tmp_pat
     halves = [data.train_batch(1, seed=0, step=2, rank=r, world_size=2) for r in (0, 1)]
     assert torch.equal(torch.cat([h[0] for h in halves]), data.train_batch(2, seed=0, step=2, world_size=1)[0])
     assert next(data.val_batches(1, 2))[0].shape == (2, 1024)  # validation is always at seq_len
+    # the lengths it says it trains at (what the loop counts FLOPs at) are those it draws
+    assert [data.train_seq_len(s) for s in range(5)] == [256, 256, 256, 1024, 1024]
+    assert data.train_seq_lens == (256, 1024)
     plain = passkey(tmp_path, seq_len=1024)
     assert plain.train_batch(2, seed=0, step=0)[0].shape == (2, 1024) and plain.name != data.name
+    assert plain.train_seq_lens == (1024,) and plain.train_seq_len(0) == 1024
 
 
 @pytest.mark.parametrize("knobs,message", [

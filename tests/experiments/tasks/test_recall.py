@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +42,11 @@ def test_a_passkey_run_reports_accuracy_per_depth(tmp_path):
               "trainer.log_every=1", "trainer.progress=false", "trainer.threads=1", "tracker=none"])
     summary = read_summary(run)
     assert {"val_accuracy", "val_accuracy_depth0", "val_accuracy_depth1"} <= set(summary)
+    # MFU counts each step's FLOPs at its own length: attention over 128 tokens costs less a token
+    flops = [row["mfu"] / row["tokens_per_s"] * summary["matmul_peak_gflops"] * 1e9 for row in read_metrics(run)
+             if "mfu" in row]
+    assert flops[0] < 0.8 * flops[1]
+    assert flops[1] == pytest.approx(summary["flops_per_token"], rel=0.02)  # the summary's: at full length
 
 
 class _Bigram(torch.nn.Module):
