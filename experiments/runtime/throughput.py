@@ -70,13 +70,14 @@ def _causal_share(s_q: int, s_k: int, is_causal: bool) -> float:
 
 
 def _cpu_attention(query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> float:
-    return sdpa_flop_count(query, key, value) * _causal_share(query[2], key[2], is_causal and kwargs.get("attn_mask") is None)
+    causal = is_causal and kwargs.get("attn_mask") is None
+    return sdpa_flop_count(query, key, value) * _causal_share(query[2], key[2], causal)
 
 
 def _cpu_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *args,
                             out_shape=None, **kwargs) -> float:
-    return (sdpa_backward_flop_count(grad_out, query, key, value)
-            * _causal_share(query[2], key[2], is_causal and kwargs.get("attn_mask") is None))
+    causal = is_causal and kwargs.get("attn_mask") is None
+    return sdpa_backward_flop_count(grad_out, query, key, value) * _causal_share(query[2], key[2], causal)
 
 
 # PyTorch's counter knows fused attention on CUDA only: on the CPU, dense attention counted nothing
