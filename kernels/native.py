@@ -63,7 +63,7 @@ def _build(compiler: str, source: Path, flags: list[str]) -> Optional[ctypes.CDL
     """`source` built with `flags` (cached) and loaded; None where that fails."""
     key = hashlib.sha256(b"\0".join([source.read_bytes(), _HEADER.read_bytes(), " ".join([compiler, *flags]).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
-    path = _cache_dir() / f"{source.stem}-{key}.so"
+    path = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,9 +91,9 @@ def _torch_libgomp_loaded() -> bool:
         return False
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "sparse-attention-experiments" / "kernels"
+def cache_root() -> Path:
+    """Where what this machine has built or measured is kept: $XDG_CACHE_HOME or ~/.cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparse-attention-experiments"
 
 
 def _cpu_flags() -> str:

@@ -7,13 +7,13 @@ import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from kernels import flops as kernel_flops
+from kernels.native import cache_root
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
@@ -24,8 +24,7 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
     once read half the rate and put a run's MFU above 1, and runs on one machine share one peak."""
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     key = f"{device_name(device)} | {device.type} | threads {threads} | {dtype}"
-    path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparse-attention-experiments"
-    path = path / "matmul_peak.json"
+    path = cache_root() / "matmul_peak.json"
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
