@@ -55,8 +55,13 @@ def transposed_tiles(x: Tensor) -> Tensor:
     """[bh, n, d] -> [bh, n / TILE, d, TILE] (n zero-padded to a multiple of TILE): keys in the
     layout native.h's tile_scores reads; x may be any strided view."""
     bh, n, d = x.shape
-    x = torch.nn.functional.pad(x, (0, 0, 0, (-n) % TILE))
-    return x.reshape(bh, -1, TILE, d).transpose(-1, -2).contiguous()
+    whole = n - n % TILE
+    tiles = x.new_empty(bh, -(-n // TILE), d, TILE)  # one copy of x, written straight into its layout
+    tiles[:, : whole // TILE] = x[:, :whole].unflatten(1, (-1, TILE)).transpose(-1, -2)
+    if whole < n:  # the last, partial tile: its keys, then zeros
+        tiles[:, -1].zero_()
+        tiles[:, -1, :, : n - whole] = x[:, whole:].transpose(-1, -2)
+    return tiles
 
 
 def _build(compiler: str, source: Path, flags: list[str]) -> Optional[ctypes.CDLL]:

@@ -52,7 +52,14 @@ class Rotary(nn.Module):
                 x = x.contiguous()  # pairs of channels must lie where complex numbers can
             phases = self._complex(start + seq, x.device, x.dtype)[start : start + seq]
             pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-            return torch.view_as_real(pairs * (phases.conj() if inverse else phases)).flatten(-2)
+            phases = phases.conj() if inverse else phases
+            if torch.is_grad_enabled() and x.requires_grad:
+                return torch.view_as_real(pairs * phases).flatten(-2)
+            # outside autograd (inside the kernels' own functions) the product is written contiguous
+            # whatever x's layout: the kernels take it as it is, without a second copy
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            torch.mul(pairs, phases, out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
+            return out
         cos, sin = self._cos_sin(start + seq, x.device, x.dtype)
         swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         sin = sin[start : start + seq]

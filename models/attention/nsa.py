@@ -167,7 +167,8 @@ class NativeSparseAttention(nn.Module):
                 q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
                 self.fine_block, self._num_forced(), self._num_free(k_cmp.shape[2]))
             out = torch.sigmoid(gates[0]) * out_cmp.view_as(q)
-            return out + self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)
+            local = self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)
+            return out.add_(local)  # in place: the product's backward needs its inputs, not its output
         scores, indices = self._selection(q, k_cmp)
         out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
                          context_fn=_keep_causal_attention)
@@ -188,7 +189,7 @@ class NativeSparseAttention(nn.Module):
         out_slc, _ = spans.span_attention(q, k_slc, v_slc, chosen, gate=gates[0], rotate=rotate)
         out_win, _ = spans.span_attention(q, k_win, v_win, self._window_spans(m, q.device), gate=gates[1],
                                           rotate=rotate)
-        return (out_slc + out_win).view(b, h, -1, m, q.shape[-1])
+        return out_slc.add_(out_win).view(b, h, -1, m, q.shape[-1])  # nothing saved out_slc: added in place
 
     def _compress(self, k_cmp: Tensor, v_cmp: Tensor) -> tuple[Tensor, Tensor]:
         return self.compress_k(k_cmp), self.compress_v(v_cmp)

@@ -37,3 +37,12 @@ def test_strided_views_and_bf16_rotate_as_contiguous_fp32():
     torch.testing.assert_close(rotary(view), rotary(view.contiguous()))
     x = torch.randn(2, 20, 8)
     torch.testing.assert_close(rotary(x.bfloat16()).float(), rotary(x), rtol=2e-2, atol=2e-2)
+
+
+def test_a_rotation_outside_autograd_is_contiguous_and_the_same():
+    rotary = Rotary(16)
+    q = torch.randn(2, 30, 3, 16).transpose(1, 2)  # [b, heads, seq, d] of a [b, seq, heads, d] projection
+    with torch.no_grad():
+        rotated = rotary(q, 4)
+    assert rotated.is_contiguous()
+    torch.testing.assert_close(rotated, pairwise(q.double(), 4, 16).float(), rtol=1e-5, atol=1e-5)
