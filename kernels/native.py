@@ -15,7 +15,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 _HEADER = Path(__file__).with_name("native.h")
