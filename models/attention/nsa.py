@@ -53,6 +53,7 @@ from kernels.compressed_attention import (block_selection, causal_block_attentio
 from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
+from models.recompute import RecomputedProjections
 from models.rotary import Rotary
 
 BRANCHES = 3  # compressed, selected, window
@@ -140,16 +141,21 @@ class NativeSparseAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens."""
-        q = rearrange(self.to_q(x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
-        # six [b, h, n, d] views of one projection: their gradients are stacked straight into its layout
-        kv = tuple(t.transpose(1, 2) for t in self.to_kv(x).unflatten(-1, (2 * BRANCHES, self.kv_heads, -1)).unbind(2))
-        gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
-        if cache is not None or not torch.is_grad_enabled():
-            out = self._attend(q, kv, gates, cache)
-        elif self.diff_topk:  # selection passes gradient: the branches recompute together
-            out = checkpoint(self._attend, q, kv, gates, use_reentrant=False)
-        else:
-            out = self._train(q, kv, gates)
+        training = cache is None and torch.is_grad_enabled()
+        # a training step on the CPU kernels keeps the query and key/value projections of no layer
+        # for the backward (a third of what an NSA layer kept): it recomputes them from x
+        with RecomputedProjections(enabled=training and not self.diff_topk and self._cpu_kernels(x)) as projections:
+            q = rearrange(projections.linear(x, self.to_q), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
+            # six [b, h, n, d] views of one projection: their gradients are stacked straight into its layout
+            kv = tuple(t.transpose(1, 2) for t in
+                       projections.linear(x, self.to_kv).unflatten(-1, (2 * BRANCHES, self.kv_heads, -1)).unbind(2))
+            gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
+            if not training:
+                out = self._attend(q, kv, gates, cache)
+            elif self.diff_topk:  # selection passes gradient: the branches recompute together
+                out = checkpoint(self._attend, q, kv, gates, use_reentrant=False)
+            else:
+                out = self._train(q, kv, gates)
         return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
 
     def _train(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor) -> Tensor:
@@ -158,7 +164,8 @@ class NativeSparseAttention(nn.Module):
         key/value projections, the gates and the compressed branch's attention output (less than
         dense attention keeps), and its backward holds one branch's activations at a time. On the
         CPU kernels the local branches need no recomputation: they keep nothing but their
-        log-sum-exps, and block selection comes with the compressed branch's forward. Block
+        log-sum-exps, block selection comes with the compressed branch's forward, and the query
+        and key/value projections are not kept either: `forward` recomputes them from x. Block
         selection needs no gradient: it runs once, outside the recomputation."""
         k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
         if self._cpu_kernels(q):  # one pass scores the compressed keys for selection and attention

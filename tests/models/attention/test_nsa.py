@@ -130,6 +130,22 @@ def test_cpu_kernel_trains_as_the_torch_path(n, diff_topk):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not span_attention.available(), reason="no C compiler for the CPU kernel")
+def test_cpu_kernel_training_keeps_neither_projection():
+    """The query and key/value projections are recomputed in the backward (models/recompute.py):
+    none of their storage is among what the training forward saves."""
+    attn = NativeSparseAttention(dim=32, heads=4, dim_head=16, kernel="cpu", **KNOBS)
+    projections = []
+    for layer in (attn.to_q, attn.to_kv):
+        layer.register_forward_hook(lambda module, args, out: projections.append(out.untyped_storage().data_ptr()))
+    saved = set()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.add(t.untyped_storage().data_ptr()) or t,
+                                                  lambda t: t):
+        out = attn(torch.randn(2, 40, 32, requires_grad=True))
+    assert len(projections) == 2 and saved and not saved & set(projections)
+    out.sum().backward()  # and the backward runs from what was kept
+
+
 def test_cpu_kernel_without_a_compiler_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(span_attention, "available", lambda: False)
     with pytest.raises(ValueError, match="kernel=cpu needs a working C compiler"):

@@ -1,0 +1,106 @@
+"""RecomputedProjections: the gradients of saving, without keeping the projection, recomputed once."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models import recompute
+from models.recompute import RecomputedProjections
+
+
+class KeepsInput(torch.autograd.Function):
+    """x * 2, keeping x for the backward as the C kernels keep their inputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 2 + 0 * x
+
+
+def layer_step(enabled: bool, seed: int = 0, saved: list | None = None):
+    """A projection read through views by a custom Function, an op that saves its operands and a
+    checkpoint; -> the gradients of x and of the weight."""
+    torch.manual_seed(seed)
+    proj, other = nn.Linear(6, 12, bias=False), nn.Linear(6, 3)
+    x = torch.randn(2, 5, 6, requires_grad=True)
+
+    def count(t):
+        if saved is not None:
+            saved.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        with RecomputedProjections(enabled) as projections:
+            y = projections.linear(x, proj)
+            a, b, c = y.unflatten(-1, (3, 4)).unbind(-2)  # strided views, as NSA's keys and values
+            gate = other(x)  # not a projection made by `linear`: saved as usual
+            mixed = checkpoint(lambda t: torch.tanh(t).transpose(0, 1), c.transpose(0, 1), use_reentrant=False)
+            scale = gate.sigmoid().mean(-1, keepdim=True)
+            out = (KeepsInput.apply(a) * b.sin() + mixed) * scale
+        out.square().sum().backward()
+    return x.grad, proj.weight.grad, y.untyped_storage().data_ptr(), scale.untyped_storage().data_ptr()
+
+
+def test_gradients_are_those_of_saving_the_projection():
+    with_recompute, without = layer_step(True), layer_step(False)
+    torch.testing.assert_close(with_recompute[0], without[0], rtol=0, atol=0)
+    torch.testing.assert_close(with_recompute[1], without[1], rtol=0, atol=0)
+
+
+def test_the_projection_is_not_saved_and_other_tensors_reach_the_outer_hooks():
+    kept, plain = [], []
+    *_, projection, scale = layer_step(True, saved=kept)
+    *_, projection_plain, _ = layer_step(False, saved=plain)
+    assert projection_plain in plain  # saved as usual: the views a, b and the checkpoint's input
+    assert projection not in kept
+    assert scale in kept  # saved inside, by a product: it still reaches the outer hooks
+
+
+def test_each_projection_is_recomputed_once_for_all_its_views(monkeypatch):
+    torch.manual_seed(0)
+    proj = nn.Linear(4, 8, bias=False)
+    x = torch.randn(3, 4, requires_grad=True)
+    with RecomputedProjections() as projections:
+        y = projections.linear(x, proj)
+        out = KeepsInput.apply(y[:, :4]) * y[:, 4:].sin() + y[:, 2:6].cos()  # three saved views of one projection
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(recompute.F, "linear", lambda *args: calls.append(1) or real_linear(*args))
+    out.sum().backward()
+    assert len(calls) == 1
+
+
+def test_disabled_or_sharded_parameters_are_saved_as_usual():
+    proj = nn.Linear(4, 8, bias=False)
+    x = torch.randn(3, 4, requires_grad=True)
+    for enabled, sharded in ((False, False), (True, True)):
+        if sharded:
+            proj.weight.ds_id = 0  # how ZeRO-3 marks a parameter it gathers on demand
+        with RecomputedProjections(enabled) as projections:
+            y = projections.linear(x, proj)
+            assert not projections._sources
+            y.exp().sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_the_recomputation_has_the_forwards_dtype_under_autocast(dtype):
+    results = []
+    for enabled in (True, False):
+        torch.manual_seed(0)
+        proj = nn.Linear(8, 8, bias=True)
+        x = torch.randn(4, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=dtype), RecomputedProjections(enabled) as projections:
+            y = projections.linear(x, proj)
+            assert y.dtype == dtype
+            out = KeepsInput.apply(y) * y
+        out.float().sum().backward()
+        results.append((x.grad, proj.weight.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
