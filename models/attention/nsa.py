@@ -142,8 +142,8 @@ class NativeSparseAttention(nn.Module):
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens."""
         training = cache is None and torch.is_grad_enabled()
-        # a training step on the CPU kernels keeps the query and key/value projections of no layer
-        # for the backward (a third of what an NSA layer kept): it recomputes them from x
+        # a training step on the CPU kernels keeps no layer's query and key/value projections for
+        # the backward, it recomputes them from x (bench size at 8k: 616 -> 488 MB kept, dense 613)
         with RecomputedProjections(enabled=training and not self.diff_topk and self._cpu_kernels(x)) as projections:
             q = rearrange(projections.linear(x, self.to_q), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
             # six [b, h, n, d] views of one projection: their gradients are stacked straight into its layout
@@ -196,7 +196,7 @@ class NativeSparseAttention(nn.Module):
         out_slc, _ = spans.span_attention(q, k_slc, v_slc, chosen, gate=gates[0], rotate=rotate)
         out_win, _ = spans.span_attention(q, k_win, v_win, self._window_spans(m, q.device), gate=gates[1],
                                           rotate=rotate)
-        return out_slc.add_(out_win).view(b, h, -1, m, q.shape[-1])  # nothing saved out_slc: added in place
+        return out_slc.add_(out_win).view(b, h, -1, m, q.shape[-1])  # in place: no backward reads out_slc
 
     def _compress(self, k_cmp: Tensor, v_cmp: Tensor) -> tuple[Tensor, Tensor]:
         return self.compress_k(k_cmp), self.compress_v(v_cmp)

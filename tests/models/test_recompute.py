@@ -1,6 +1,5 @@
 """RecomputedProjections: the gradients of saving, without keeping the projection, recomputed once."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,24 +9,25 @@ from models import recompute
 from models.recompute import RecomputedProjections
 
 
-class KeepsInput(torch.autograd.Function):
-    """x * 2, keeping x for the backward as the C kernels keep their inputs."""
+class Square(torch.autograd.Function):
+    """x^2, keeping x for the backward as the C kernels keep their inputs (its gradient reads x)."""
 
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return x * 2
+        return x * x
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return grad * 2 + 0 * x
+        return 2 * x * grad
 
 
-def layer_step(enabled: bool, seed: int = 0, saved: list | None = None):
+def layer_step(enabled: bool, saved: list | None = None):
     """A projection read through views by a custom Function, an op that saves its operands and a
-    checkpoint; -> the gradients of x and of the weight."""
-    torch.manual_seed(seed)
+    checkpoint -> the gradients of x and of the weight, and the storage addresses of the projection
+    and of a tensor saved inside (`saved` collects what the outer hooks were given)."""
+    torch.manual_seed(0)
     proj, other = nn.Linear(6, 12, bias=False), nn.Linear(6, 3)
     x = torch.randn(2, 5, 6, requires_grad=True)
 
@@ -43,7 +43,7 @@ def layer_step(enabled: bool, seed: int = 0, saved: list | None = None):
             gate = other(x)  # not a projection made by `linear`: saved as usual
             mixed = checkpoint(lambda t: torch.tanh(t).transpose(0, 1), c.transpose(0, 1), use_reentrant=False)
             scale = gate.sigmoid().mean(-1, keepdim=True)
-            out = (KeepsInput.apply(a) * b.sin() + mixed) * scale
+            out = (Square.apply(a) * b.sin() + mixed) * scale
         out.square().sum().backward()
     return x.grad, proj.weight.grad, y.untyped_storage().data_ptr(), scale.untyped_storage().data_ptr()
 
@@ -69,7 +69,7 @@ def test_each_projection_is_recomputed_once_for_all_its_views(monkeypatch):
     x = torch.randn(3, 4, requires_grad=True)
     with RecomputedProjections() as projections:
         y = projections.linear(x, proj)
-        out = KeepsInput.apply(y[:, :4]) * y[:, 4:].sin() + y[:, 2:6].cos()  # three saved views of one projection
+        out = Square.apply(y[:, :4]) * y[:, 4:].sin() + y[:, 2:6].cos()  # three saved views of one projection
     calls = []
     real_linear = F.linear
     monkeypatch.setattr(recompute.F, "linear", lambda *args: calls.append(1) or real_linear(*args))
@@ -89,8 +89,8 @@ def test_disabled_or_sharded_parameters_are_saved_as_usual():
             y.exp().sum().backward()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_the_recomputation_has_the_forwards_dtype_under_autocast(dtype):
+def test_the_recomputation_has_the_forwards_dtype_under_autocast():
+    dtype = torch.bfloat16
     results = []
     for enabled in (True, False):
         torch.manual_seed(0)
@@ -99,7 +99,7 @@ def test_the_recomputation_has_the_forwards_dtype_under_autocast(dtype):
         with torch.autocast("cpu", dtype=dtype), RecomputedProjections(enabled) as projections:
             y = projections.linear(x, proj)
             assert y.dtype == dtype
-            out = KeepsInput.apply(y) * y
+            out = Square.apply(y) * y
         out.float().sum().backward()
         results.append((x.grad, proj.weight.grad))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
