@@ -51,15 +51,15 @@ def load(source: Path, signatures: tuple[tuple[str, int, int], ...]) -> Optional
 
 
 def transposed_tiles(x: Tensor) -> Tensor:
-    """[bh, n, d] -> [bh, n / TILE, d, TILE] (n zero-padded to a multiple of TILE): keys in the
+    """[..., n, d] -> [..., n / TILE, d, TILE] (n zero-padded to a multiple of TILE): keys in the
     layout native.h's tile_scores reads; x may be any strided view."""
-    bh, n, d = x.shape
+    n, d = x.shape[-2:]
     whole = n - n % TILE
-    tiles = x.new_empty(bh, -(-n // TILE), d, TILE)  # one copy of x, written straight into its layout
-    tiles[:, : whole // TILE] = x[:, :whole].unflatten(1, (-1, TILE)).transpose(-1, -2)
+    tiles = x.new_empty(*x.shape[:-2], -(-n // TILE), d, TILE)  # one copy of x, written straight into its layout
+    tiles[..., : whole // TILE, :, :] = x[..., :whole, :].unflatten(-2, (-1, TILE)).transpose(-1, -2)
     if whole < n:  # the last, partial tile: its keys, then zeros
-        tiles[:, -1].zero_()
-        tiles[:, -1, :, : n - whole] = x[:, whole:].transpose(-1, -2)
+        tiles[..., -1, :, :].zero_()
+        tiles[..., -1, :, : n - whole] = x[..., whole:, :].transpose(-1, -2)
     return tiles
 
 

@@ -43,6 +43,11 @@ class Rotary(nn.Module):
                                                                                    else torch.complex128)
         return phases
 
+    def phases(self, end: int, device) -> Tensor:
+        """(cos, sin) of each channel pair's angle at positions [0, end): [end, dim_head / 2, 2] fp32,
+        for kernels that rotate as they read (kernels/span_attention/)."""
+        return torch.view_as_real(self._complex(end, device, torch.float32)[:end])
+
     def forward(self, x: Tensor, start: int = 0, inverse: bool = False) -> Tensor:
         """Rotate x [..., seq, dim_head] whose first position is `start` (inverse: rotate back,
         which is also how a gradient goes back through the rotation)."""

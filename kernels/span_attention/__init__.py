@@ -10,7 +10,7 @@ The C kernel is compiled for this CPU on first use (kernels/native.py). Where no
 
 import ctypes
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -19,8 +19,7 @@ from kernels import flops
 from kernels.native import load, pointer, transposed_tiles
 
 _SOURCE = Path(__file__).with_name("span_attention.c")
-_SIGNATURES = (("span_attention_forward", 8, 8), ("span_attention_backward", 15, 8))
-Rotate = Callable[[Tensor, bool], Tensor]  # rotate(x [..., seq, dim_head], inverse) -> x rotated by position
+_SIGNATURES = (("span_attention_forward", 9, 16), ("span_attention_backward", 16, 18))
 # element types the kernel runs in fp32 without losing what the caller asked for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,11 +30,13 @@ def available() -> bool:
 
 
 def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Optional[Tensor] = None,
-                   gate: Optional[Tensor] = None, rotate: Optional[Rotate] = None) -> tuple[Tensor, Tensor]:
+                   gate: Optional[Tensor] = None, phases: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of each query over the keys of its spans, on the CPU kernel.
 
-    q        [batch_kv, group, seq_q, dim_head]  queries of one GQA group (batch * kv_heads first)
-    k, v     [batch_kv, seq_k, dim_head]
+    q        [batch_kv, group, seq_q, dim_head]  queries of one GQA group (batch * kv_heads first),
+             or [batch, kv_heads, group, seq_q, dim_head]; any strides with dim_head contiguous
+             (a view of a projection is read where it lies, not copied)
+    k, v     [batch_kv, seq_k, dim_head], or [batch, kv_heads, seq_k, dim_head] alongside a 5-d q
     spans    [batch_kv, seq_q, slots, 2] or [seq_q, slots, 2] (the same for every batch_kv): int32
              (start, end) key ranges per query; end <= start leaves a slot unused. Spans must not
              overlap, and causality is the caller's: a span holds only keys the query may see.
@@ -43,85 +44,128 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Opti
              weights[..., s] (the probabilities stay those of one softmax over all slots)
     gate     [batch_kv, group, seq_q] or None: each head's output is multiplied by it, inside the
              kernel (a gated branch keeps no copy of its output for the gate's gradient)
-    rotate   rotate(x, inverse) or None: x [..., seq, dim_head] rotated by position (rotary
-             embeddings; query i and key j at positions i and j), or rotated back with inverse.
-             Applied to q and k inside, and again in the backward, so no rotated copy is kept.
-    returns  out [batch_kv, group, seq_q, dim_head] in q's dtype, and the log-sum-exp
-             [batch_kv, group, seq_q] in fp32, so that attentions over disjoint keys merge exactly.
-             A query with no key gets zeros and a log-sum-exp of -inf.
+    phases   [positions, dim_head / 2, 2] or None (positions >= seq_q, seq_k): rotary embeddings
+             as the (cos, sin) of each channel pair's angle at each position (Rotary.phases): query
+             i and key j are rotated by the phases of positions i and j, the queries inside the
+             kernel, the keys just before it, in the forward and again in the backward, so no
+             rotated copy is kept
+    returns  out, shaped as q, in q's dtype, and the log-sum-exp [batch_kv, group, seq_q] in fp32,
+             so that attentions over disjoint keys merge exactly. A query with no key gets zeros
+             and a log-sum-exp of -inf.
 
     Computed in fp32 whatever the inputs' dtype (one of KERNEL_DTYPES).
     """
     if _library() is None:
         raise RuntimeError("the span-attention CPU kernel could not be built here (no working C compiler)")
+    if k.dim() != q.dim() - 1 or v.shape != k.shape:
+        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not go with queries {tuple(q.shape)}")
+    if phases is not None and phases.shape[0] < max(q.shape[-2], k.shape[-2]):
+        raise ValueError(f"{phases.shape[0]} rotary phases for {max(q.shape[-2], k.shape[-2])} positions")
     out, lse = _SpanAttention.apply(q.float(), k.float(), v.float(), spans.to(torch.int32).contiguous(),
                                     None if weights is None else weights.float(), None if gate is None else gate.float(),
-                                    rotate)
+                                    None if phases is None else phases.float().contiguous())
     return out.to(q.dtype), lse
 
 
 class _SpanAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spans, weights, gate, rotate):
-        ctx.rotate = rotate
-        q_in, k_in = q, k  # saved as given: the caller keeps them anyway
-        q, k = _rotated(q, k, rotate)
-        v_rows = v.contiguous()
+    def forward(ctx, q, k, v, spans, weights, gate, phases):
         weights, gate = (None if t is None else t.contiguous() for t in (weights, gate))
-        bh, g, m, d = q.shape
-        out, lse = torch.empty_like(q), q.new_empty(bh, g, m)
-        ctx.shape = _shape(q, k, spans)
+        q_rows, v_rows = _rows(q), _rows(v)
+        g, m, d = q.shape[-3:]
+        bh, ctx.split = q.shape[:-3].numel(), q.dim() == 5
+        out, lse = q.new_empty(*q.shape[:-3], g, m, d), q.new_empty(bh, g, m)  # out laid out as [bh, g, m, d]
+        ctx.shape = _shape(bh, g, m, d, k.shape[-2], spans)
         ctx.pairs = lambda: _pairs(spans, bh)
         flops.attention(ctx.pairs, g, d)
-        k_t = transposed_tiles(k)  # held here: a pointer does not keep its tensor alive
+        k_t = transposed_tiles(_rotated_keys(k, phases))  # held here: a pointer does not keep its tensor alive
         status = _library().span_attention_forward(
-            pointer(q), pointer(k_t), pointer(v_rows), pointer(spans), pointer(weights), pointer(gate), pointer(out),
-            pointer(lse), *ctx.shape, ctypes.c_float(d**-0.5), torch.get_num_threads())
+            pointer(q_rows), pointer(k_t), pointer(v_rows), pointer(spans), pointer(weights), pointer(gate),
+            pointer(phases), pointer(out), pointer(lse), *ctx.shape, *_strides(q_rows, ctx.split), *_strides(v_rows, ctx.split)[1:],
+            ctypes.c_float(d**-0.5), torch.get_num_threads())
         if status:
             raise MemoryError("span attention: a thread could not allocate its scores")
-        # v as given (a view of the caller's projection, say): the backward reads it in tiles only
-        ctx.save_for_backward(q_in, k_in, v, spans, weights, gate, lse)
+        # q, k and v as given (views of the caller's projection, say): the caller keeps them anyway
+        ctx.save_for_backward(q, k, v, spans, weights, gate, phases, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, spans, weights, gate, lse = ctx.saved_tensors
-        q, k = _rotated(q, k, ctx.rotate)
-        d = q.shape[-1]
+        q, k, v, spans, weights, gate, phases, lse = ctx.saved_tensors
+        q_rows = _rows(q)
+        bh, g, m, d = ctx.shape[:4]
         threads = torch.get_num_threads()
-        dout = dout.float().contiguous()
+        shared_grads = bh % threads == 0  # each thread's rows are whole batch * kv heads: no two add into one key
+        dout = _rows(dout.float())  # the output's gradient as it comes (a transpose of to_out's, say)
         dlse = None if dlse is None else dlse.float().contiguous()
-        dq = torch.empty_like(q)
-        dk, dv = (k.new_zeros(threads, *k.shape) for _ in range(2))  # one buffer per thread: no races
+        dq = q.new_empty(q.shape)  # laid out as [bh, g, m, d]
+        keys = _rotated_keys(k, phases)
+        dk, dv = (keys.new_empty(1 if shared_grads else threads, *keys.shape) for _ in range(2))  # zeroed in C
         dweights = None if weights is None else torch.zeros_like(weights)
         dgate = None if gate is None else torch.empty_like(gate)
-        k_t, v_t = transposed_tiles(k), transposed_tiles(v)
+        k_t, v_t = transposed_tiles(keys), transposed_tiles(v).flatten(0, -4)
         status = _library().span_attention_backward(
-            pointer(q), pointer(k), pointer(k_t), pointer(v_t), pointer(spans), pointer(weights), pointer(gate),
-            pointer(lse), pointer(dout), pointer(dlse), pointer(dq), pointer(dk), pointer(dv), pointer(dweights),
-            pointer(dgate),
-            *ctx.shape, ctypes.c_float(d**-0.5), threads)
+            pointer(q_rows), pointer(keys), pointer(k_t), pointer(v_t), pointer(spans), pointer(weights), pointer(gate),
+            pointer(phases), pointer(lse), pointer(dout), pointer(dlse), pointer(dq), pointer(dk), pointer(dv),
+            pointer(dweights), pointer(dgate), *ctx.shape, int(shared_grads), *_strides(q_rows, ctx.split), *_strides(dout, ctx.split)[1:],
+            ctypes.c_float(d**-0.5), threads)
         if status:
             raise MemoryError("span attention: a thread could not allocate its probabilities")
-        flops.attention(ctx.pairs, q.shape[1], d, backward=True)
-        dk = dk.sum(0)
-        if ctx.rotate is not None:  # the gradients of the rotated q and k, rotated back
-            dq, dk = ctx.rotate(dq, True), ctx.rotate(dk, True)
-        return dq, dk, dv.sum(0), None, dweights, dgate, None
+        flops.attention(ctx.pairs, g, d, backward=True)
+        dk, dv = (t[0] if shared_grads else t.sum(0) for t in (dk, dv))
+        if phases is not None:  # the keys' gradient, rotated back
+            _rotate_(dk, phases, inverse=True)
+        return dq, dk.view(k.shape), dv.view(v.shape), None, dweights, dgate, None
 
 
-def _rotated(q: Tensor, k: Tensor, rotate: Optional[Rotate]) -> tuple[Tensor, Tensor]:
-    if rotate is not None:
-        q, k = rotate(q, False), rotate(k, False)
-    return q.contiguous(), k.contiguous()
+def _rows(x: Tensor) -> Tensor:
+    """x with its last dimension contiguous, as the kernel reads rows (a view of a projection as it
+    is; a copy only where the last dimension is strided)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _shape(q: Tensor, k: Tensor, spans: Tensor) -> tuple:
+def _strides(x: Tensor, split: bool) -> tuple[int, ...]:
+    """(heads, batch stride, head stride, then the strides of the dimensions between the heads and
+    the last) of x, whose leading dimensions are [batch, heads] (split) or [batch * heads]."""
+    if split:
+        return (x.shape[1], *x.stride()[:-1])
+    return (1, x.stride(0), 0, *x.stride()[1:-1])
+
+
+def _rotated_keys(k: Tensor, phases: Optional[Tensor]) -> Tensor:
+    """k [..., seq_k, d] rotated by the phases of its positions (or as it is): contiguous [bh, seq_k, d],
+    written in one pass."""
+    if phases is None:
+        return k.contiguous().view(-1, *k.shape[-2:])
+    if k.storage_offset() % 2 or any(stride % 2 for stride in k.stride()[:-1]):
+        k = k.contiguous()  # pairs of channels must lie where complex numbers can
+    keys = torch.empty(k.shape, dtype=k.dtype)
+    torch.mul(_pairs_of(k), _turns(phases, k.shape[-2]), out=_pairs_of(keys))
+    return keys.view(-1, *k.shape[-2:])
+
+
+def _rotate_(x: Tensor, phases: Tensor, inverse: bool = False) -> Tensor:
+    """x [..., seq, d] (contiguous) rotated in place by the phases of positions 0..seq-1 (or back)."""
+    turns = _turns(phases, x.shape[-2])
+    _pairs_of(x).mul_(turns.conj() if inverse else turns)
+    return x
+
+
+def _pairs_of(x: Tensor) -> Tensor:
+    """x [..., d] as d / 2 complex numbers (channels 2e, 2e + 1), a view."""
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+
+
+def _turns(phases: Tensor, seq: int) -> Tensor:
+    """e^(i angle) [seq, d / 2] of positions 0..seq-1, a complex view of the phases."""
+    return torch.view_as_complex(phases[:seq])
+
+
+def _shape(bh: int, g: int, m: int, d: int, n: int, spans: Tensor) -> tuple:
     """The kernel's size arguments: bh, g, m, d, n, slots, the most keys one query sees, shared."""
-    bh, g, m, d = q.shape
     lengths = (spans[..., 1] - spans[..., 0]).clamp(min=0).sum(-1)
     max_keys = int(lengths.max()) if lengths.numel() else 0
-    return (bh, g, m, d, k.shape[1], spans.shape[-2], max_keys, int(spans.dim() == 3))
+    return (bh, g, m, d, n, spans.shape[-2], max_keys, int(spans.dim() == 3))
 
 
 def _pairs(spans: Tensor, bh: int) -> int:

@@ -186,17 +186,17 @@ class NativeSparseAttention(nn.Module):
                        scores: Tensor, indices: Tensor) -> Tensor:
         """A training step's selected and window branches on the span-attention CPU kernel, with
         rotary positions and gates applied inside it, so that the backward keeps neither rotated
-        nor gated copies (only each branch's log-sum-exp): q [b, h, g, n, d], keys and values
-        [b, h, n, d], gate logits [2, b, h, g, n, 1], free blocks [b * h, n, free] -> [b, h, g, n, d]."""
+        nor gated copies (only each branch's log-sum-exp), and the projections are read where they
+        lie: q [b, h, g, n, d], keys and values [b, h, n, d], gate logits [2, b, h, g, n, 1], free
+        blocks [b * h, n, free] -> [b, h, g, n, d]."""
         b, h, _, m, _ = q.shape
         gates = torch.sigmoid(gates).squeeze(-1).flatten(1, 2)  # [2, b * h, g, n]
-        q, k_slc, v_slc, k_win, v_win = (t.flatten(0, 1) for t in (q, k_slc, v_slc, k_win, v_win))
-        rotate = lambda x, inverse: self.rotary(x, inverse=inverse)  # noqa: E731
+        phases = self.rotary.phases(m, q.device)
         chosen = self._selected_spans(indices.view(b, h, m, -1), scores.view(b, h, m, -1) > float("-inf"))
-        out_slc, _ = spans.span_attention(q, k_slc, v_slc, chosen, gate=gates[0], rotate=rotate)
+        out_slc, _ = spans.span_attention(q, k_slc, v_slc, chosen, gate=gates[0], phases=phases)
         out_win, _ = spans.span_attention(q, k_win, v_win, self._window_spans(m, q.device), gate=gates[1],
-                                          rotate=rotate)
-        return out_slc.add_(out_win).view(b, h, -1, m, q.shape[-1])  # in place: no backward reads out_slc
+                                          phases=phases)
+        return out_slc.add_(out_win)  # in place: no backward reads out_slc
 
     def _compress(self, k_cmp: Tensor, v_cmp: Tensor) -> tuple[Tensor, Tensor]:
         return self.compress_k(k_cmp), self.compress_v(v_cmp)

@@ -119,3 +119,69 @@ def test_gate_scales_each_head_and_gets_its_gradient(with_weights):
     spans = window_and_blocks(29, window=5, block=3).expand(2, 29, 3, 2).clone()
     spans[1, 7] = 0  # a query that sees nothing: its gate gets no gradient
     check(q, k, v, spans, weights, gate)
+
+
+@pytest.mark.parametrize("d", [24, 64])
+def test_rotary_phases_rotate_queries_and_keys_as_rotary_does(d):
+    """The kernel rotates as it reads: its values and gradients equal the definition applied to
+    Rotary's rotation of q and k, the gradients flowing back through the rotation."""
+    from models.rotary import Rotary
+
+    rotary = Rotary(d).double()
+    q, k, v = inputs(bh=2, m=37, d=d)
+    spans = window_and_blocks(37, window=6, block=4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = naive_span_attention(*leaves, spans, rotate=lambda x, inverse: rotary(x, inverse=inverse))
+    out, _ = span_attention(*(t.float() for t in leaves), spans, phases=Rotary(d).phases(37, "cpu"))
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-5)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    expected = torch.autograd.grad((ref_out * dout).sum(), leaves)
+    got = torch.autograd.grad((out.double() * dout).sum(), leaves)
+    for e, a in zip(expected, got):
+        torch.testing.assert_close(a.double(), e, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])  # bh = 4: shared key gradients on 1 and 2 threads, per thread on 3
+def test_views_of_one_projection_are_read_where_they_lie(threads):
+    """q [b, h, g, n, d] and k, v [b, h, n, d] as strided views of one [b, n, features] projection
+    (batch 2, so no flatten of (b, h) is a view), rotated, and the output's gradient strided: the
+    values and the projection's gradient of the definition, in the views' shapes."""
+    from models.rotary import Rotary
+
+    b, h, g, m, d = 2, 2, 2, 30, 16
+    gen = torch.Generator().manual_seed(5)
+    projection = torch.randn(b, m, (g + 2) * h * d, generator=gen, dtype=torch.float64)
+    spans = window_and_blocks(m, window=5, block=4)
+    rotary = Rotary(d).double()
+    weight = torch.randn(m, b * h, g, d, generator=gen, dtype=torch.float64)
+
+    def run(kernel: bool):
+        x = projection.clone().float().requires_grad_() if kernel else projection.clone().requires_grad_()
+        q = x[..., : h * g * d].unflatten(-1, (h, g, d)).permute(0, 2, 3, 1, 4)  # [b, h, g, m, d]
+        k, v = (x[..., h * g * d :].unflatten(-1, (2, h, d)).permute(2, 0, 3, 1, 4))  # [b, h, m, d] each
+        if kernel:
+            out, lse = span_attention(q, k, v, spans, phases=rotary.phases(m, "cpu"))
+            assert out.shape == q.shape and lse.shape == (b * h, g, m)
+        else:
+            out, lse = naive_span_attention(*(t.flatten(0, 1) for t in (q, k, v)), spans,
+                                            rotate=lambda t, inverse: rotary(t, inverse=inverse))
+        # the output's gradient reaches the kernel strided (positions first), as to_out's does
+        loss = (out.reshape(b * h, g, m, d).movedim(-2, 0).contiguous() * weight).sum() + lse.sum()
+        return out.reshape(b * h, g, m, d).double(), lse.double(), torch.autograd.grad(loss, x)[0].double()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for a, e in zip(run(kernel=True), run(kernel=False)):
+            torch.testing.assert_close(a, e, atol=5e-5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_phases_and_key_shapes_are_refused():
+    q, k, v = inputs(bh=2, m=20)
+    spans = window_and_blocks(20, window=4, block=2)
+    with pytest.raises(ValueError, match="rotary phases"):
+        span_attention(q.float(), k.float(), v.float(), spans, phases=torch.zeros(10, 12, 2))
+    with pytest.raises(ValueError, match="do not go with"):
+        span_attention(q.float()[None], k.float(), v.float(), spans)
