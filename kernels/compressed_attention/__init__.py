@@ -88,17 +88,18 @@ def causal_block_attention(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride
 
 
 def _to_rows(x: Tensor, block: int, stride: int, blocks: int) -> Tensor:
-    """Queries from position 0 [bh, g, seq, ...] -> rows of blocks [bh, g * stride, blocks, ...]: the
-    queries that see blocks 0..s at row index s, those that see none left out, zeros past the end.
-    One pass over x (a pad and then a reshape would copy it twice)."""
-    bh, g, m = x.shape[:3]
+    """Queries from position 0 [..., g, seq, d] (leading dimensions [bh] or [b, h], any strides) ->
+    rows of blocks [bh, g * stride, blocks, d]: the queries that see blocks 0..s at row index s,
+    those that see none left out, zeros past the end. One pass over x (a pad and then a reshape
+    would copy it twice)."""
+    *lead, g, m, d = x.shape
     first, whole, rest = _row_split(m, block, stride)
-    rows = x.new_empty(bh, g, stride, blocks, *x.shape[3:])  # [bh, g, offset in the stride, row, ...]
-    rows[:, :, :, :whole] = x[:, :, first : first + whole * stride].unflatten(2, (whole, stride)).transpose(2, 3)
+    rows = x.new_empty(*lead, g, stride, blocks, d)  # [..., g, offset in the stride, row, d]
+    rows[..., :whole, :] = x[..., first : first + whole * stride, :].unflatten(-2, (whole, stride)).transpose(-2, -3)
     if whole < blocks:  # the last row holds the queries left, then zeros
-        rows[:, :, rest:, whole] = 0
-        rows[:, :, :rest, whole] = x[:, :, first + whole * stride :]
-    return rows.flatten(1, 2)
+        rows[..., rest:, whole, :] = 0
+        rows[..., :rest, whole, :] = x[..., first + whole * stride :, :]
+    return rows.view(-1, g * stride, blocks, d)
 
 
 def _from_rows(rows: Tensor, block: int, stride: int, m: int) -> Tensor:
@@ -138,7 +139,8 @@ def cpu_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stri
     """The compressed branch's attention (as causal_block_attention) and the `free` most important
     fine blocks of each query from position 0, from one pass of the CPU kernel.
 
-    q        [batch_kv, group, seq_q, dim_head]
+    q        [batch_kv, group, seq_q, dim_head], or [batch, kv_heads, group, seq_q, dim_head]; any
+             strides with dim_head contiguous (a view of a projection is read where it lies)
     kc, vc   [batch_kv, blocks, dim_head]  compressed keys and values, blocks from 0
     forced   how many of (own block, initial block, previous block), in that priority, are always
              attended and so never chosen here
@@ -159,15 +161,21 @@ class _CompressedSelection(torch.autograd.Function):
         if library is None:
             raise RuntimeError("the block-selection CPU kernel could not be built here (no working C compiler)")
         block, stride, fine_block, forced, free = knobs
-        bh, g, m, d = q.shape
-        q32, vc32 = q.float().contiguous(), vc.float().contiguous()
+        g, m, d = q.shape[-3:]
+        bh = q.shape[:-3].numel()
+        q32, vc32 = q.float(), vc.float().contiguous()
+        q32 = q32 if q32.stride(-1) == 1 else q32.contiguous()
+        # where each query row lies: [b, h, ...] or [b * h, ...] leading dimensions
+        heads, *q_strides = ((q.shape[1], *q32.stride()[:-1]) if q.dim() == 5
+                             else (1, q32.stride(0), 0, *q32.stride()[1:-1]))
         kc_t = transposed_tiles(kc.float())  # held here: a pointer does not keep its tensor alive
-        out, lse = torch.empty_like(q32), q32.new_empty(bh, g, m)
+        out, lse = q32.new_empty(bh, g, m, d), q32.new_empty(bh, g, m)
         scores = q32.new_empty(bh, m, free)
         indices = torch.empty(bh, m, free, dtype=torch.int64)
         status = library.block_selection(pointer(q32), pointer(kc_t), pointer(vc32), pointer(scores), pointer(indices),
                                          pointer(out), pointer(lse), bh, g, m, d, kc.shape[1], block, stride,
-                                         fine_block, forced, free, ctypes.c_float(d**-0.5), torch.get_num_threads())
+                                         fine_block, forced, free, heads, *q_strides, ctypes.c_float(d**-0.5),
+                                         torch.get_num_threads())
         if status:
             raise MemoryError("block selection: a thread could not allocate its scores")
         if kc.shape[1] == 0:  # no block at all: vc's empty data reads as NULL in C, which writes no output
@@ -183,7 +191,7 @@ class _CompressedSelection(torch.autograd.Function):
     def backward(ctx, dout, _scores, _indices):
         q, kc, vc, out, lse = ctx.saved_tensors
         block, stride = ctx.knobs[:2]
-        m, blocks = q.shape[2], kc.shape[1]
+        m, blocks = q.shape[-2], kc.shape[1]
         if blocks == 0:
             return torch.zeros_like(q), torch.zeros_like(kc), torch.zeros_like(vc), None
         rows = lambda x: _to_rows(x, block, stride, blocks)  # noqa: E731
@@ -193,8 +201,8 @@ class _CompressedSelection(torch.autograd.Function):
         dq, dkc, dvc = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             rows(dout.to(q.dtype)), rows(q), kc[:, None].to(q.dtype), vc[:, None].to(q.dtype), rows(out), lse_rows,
             0.0, True)
-        return _from_rows(dq, block, stride, m), dkc[:, 0].to(kc.dtype), dvc[:, 0].to(vc.dtype), None
+        return _from_rows(dq, block, stride, m).view(q.shape), dkc[:, 0].to(kc.dtype), dvc[:, 0].to(vc.dtype), None
 
 
 def _library() -> Optional[ctypes.CDLL]:
-    return load(Path(__file__).with_name("selection.c"), (("block_selection", 7, 10),))
+    return load(Path(__file__).with_name("selection.c"), (("block_selection", 7, 15),))

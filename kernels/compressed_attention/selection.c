@@ -8,7 +8,8 @@
  * the paper reuses them); its backward is flash attention's (kernels/compressed_attention/).
  *
  * Layouts (contiguous):
- *   q        [bh, g, m, d] fp32, the query at position t is row t
+ *   q        [bh, g, m, d] fp32, the query of head h at position t of batch * kv head b at
+ *            (b / heads) q_b + (b % heads) q_h + h q_g + t q_m (a view of the projection, say)
  *   kc_t     [bh, blocks / TILE, d, TILE] fp32, the compressed keys in transposed tiles
  *   vc       [bh, blocks, d] fp32, the compressed values, or NULL (no blocks): no output
  *   out      [bh, g, m, d] fp32 out (with vc): each head's attention over its visible blocks, 0 where none
@@ -30,6 +31,7 @@ typedef struct {
     float *scores, *out, *lse;
     int64_t *indices;
     int64_t bh, g, m, d, blocks, blocks_tiled, block, stride, fine_block, unit, forced, free;
+    int64_t heads, q_b, q_h, q_g, q_m;
     float scale;
 } Problem;
 
@@ -98,7 +100,8 @@ INLINE void group_probabilities(const Problem *p, int64_t b, int64_t t0, const i
     for (int64_t h = 0; h < p->g; h++) {
         for (int r = 0; r < QUERIES; r++) {
             const int64_t t = t0 + r < last ? t0 + r : last;
-            memcpy(q + r * d, p->q + ((b * p->g + h) * p->m + t) * d, d * sizeof(float));
+            memcpy(q + r * d, p->q + (b / p->heads) * p->q_b + (b % p->heads) * p->q_h + h * p->q_g + t * p->q_m,
+                   d * sizeof(float));
         }
         rows_scores(scores, ld, q, tiles, d, most, p->scale);
         float inverse[QUERIES];
@@ -196,12 +199,14 @@ static int64_t gcd(int64_t a, int64_t b) { return b ? gcd(b, a % b) : a; }
 
 int block_selection(const float *q, const float *kc_t, const float *vc, float *scores, int64_t *indices, float *out,
                     float *lse, int64_t bh, int64_t g, int64_t m, int64_t d, int64_t blocks, int64_t block,
-                    int64_t stride, int64_t fine_block, int64_t forced, int64_t free, float scale, int threads) {
+                    int64_t stride, int64_t fine_block, int64_t forced, int64_t free, int64_t heads, int64_t q_b,
+                    int64_t q_h, int64_t q_g, int64_t q_m, float scale, int threads) {
     Problem p = {.q = q, .kc_t = kc_t, .vc = vc, .scores = scores, .indices = indices, .out = out, .lse = lse,
                  .bh = bh, .g = g, .m = m, .d = d,
                  .blocks = blocks, .blocks_tiled = (blocks + TILE - 1) / TILE * TILE, .block = block,
                  .stride = stride, .fine_block = fine_block, .unit = gcd(gcd(block, stride), fine_block),
-                 .forced = forced, .free = free, .scale = scale};
+                 .forced = forced, .free = free, .heads = heads, .q_b = q_b, .q_h = q_h, .q_g = q_g, .q_m = q_m,
+                 .scale = scale};
     /* later queries see more blocks: interleaved groups of queries keep the threads' shares even */
     return run_rows(&p, bh * ((m + QUERIES - 1) / QUERIES), threads, 1, select_work);
 }

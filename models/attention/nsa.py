@@ -171,7 +171,7 @@ class NativeSparseAttention(nn.Module):
         if self._cpu_kernels(q):  # one pass scores the compressed keys for selection and attention
             kc, vc = checkpoint(self._compress, k_cmp, v_cmp, use_reentrant=False)
             out_cmp, scores, indices = cpu_compressed_selection(
-                q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
+                q, kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
                 self.fine_block, self._num_forced(), self._num_free(k_cmp.shape[2]))
             out = torch.sigmoid(gates[0]) * out_cmp.view_as(q)
             local = self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)

@@ -181,6 +181,32 @@ def test_cpu_selection_with_the_attention_output_matches_dense_attention(bh, g, 
 
 
 @pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
+def test_cpu_selection_reads_a_query_view_of_a_projection_where_it_lies():
+    """q [b, h, g, m, d] as a strided view of a [b, m, h * g * d] projection (batch 2: no flatten of
+    (b, h) is a view): the output, the choice and the projection's gradient of the dense
+    formulation over contiguous [b * h, g, m, d] queries."""
+    b, h, g, m, d, block, stride, fine = 2, 2, 2, 53, 16, 8, 4, 8
+    gen = torch.Generator().manual_seed(6)
+    blocks = (m - block) // stride + 1
+    projection = torch.randn(b, m, h * g * d, dtype=torch.float64, generator=gen)
+    kc, vc = (torch.randn(b * h, blocks, d, dtype=torch.float64, generator=gen) for _ in range(2))
+    dout = torch.randn(b * h, g, m, d, dtype=torch.float64, generator=gen)
+    x = projection.clone().requires_grad_()
+    q = x.unflatten(-1, (h, g, d)).permute(0, 2, 3, 1, 4).flatten(0, 1)  # a copy: [b * h, g, m, d]
+    ref, importance = naive(q, kc, vc, 0, block, stride, fine, -(-m // fine))
+    ref_scores, ref_indices = choose_from_dense(importance.detach(), m, fine, 3, 2)
+    ref_grad, = torch.autograd.grad(ref, x, dout)
+    x32 = projection.float().requires_grad_()
+    view = x32.unflatten(-1, (h, g, d)).permute(0, 2, 3, 1, 4)  # [b, h, g, m, d], strided
+    out, scores, indices = cpu_compressed_selection(view, kc.float(), vc.float(), block, stride, fine, 3, 2)
+    grad, = torch.autograd.grad(out, x32, dout.float())
+    torch.testing.assert_close(out.double().view_as(ref), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-4)
+    valid = ref_scores > float("-inf")
+    assert torch.equal(scores > float("-inf"), valid) and torch.equal(indices[valid], ref_indices[valid])
+
+
+@pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
 def test_cpu_selection_ties_go_to_the_earlier_block():
     """Before the first compressed block is complete every fine block is worth 0: the earliest
     eligible ones are chosen, in order."""
