@@ -81,8 +81,8 @@ class _SpanAttention(torch.autograd.Function):
         k_t = transposed_tiles(_rotated_keys(k, phases))  # held here: a pointer does not keep its tensor alive
         status = _library().span_attention_forward(
             pointer(q_rows), pointer(k_t), pointer(v_rows), pointer(spans), pointer(weights), pointer(gate),
-            pointer(phases), pointer(out), pointer(lse), *ctx.shape, *_strides(q_rows, ctx.split), *_strides(v_rows, ctx.split)[1:],
-            ctypes.c_float(d**-0.5), torch.get_num_threads())
+            pointer(phases), pointer(out), pointer(lse), *ctx.shape, *_strides(q_rows, ctx.split),
+            *_strides(v_rows, ctx.split)[1:], ctypes.c_float(d**-0.5), torch.get_num_threads())
         if status:
             raise MemoryError("span attention: a thread could not allocate its scores")
         # q, k and v as given (views of the caller's projection, say): the caller keeps them anyway
@@ -107,8 +107,8 @@ class _SpanAttention(torch.autograd.Function):
         status = _library().span_attention_backward(
             pointer(q_rows), pointer(keys), pointer(k_t), pointer(v_t), pointer(spans), pointer(weights), pointer(gate),
             pointer(phases), pointer(lse), pointer(dout), pointer(dlse), pointer(dq), pointer(dk), pointer(dv),
-            pointer(dweights), pointer(dgate), *ctx.shape, int(shared_grads), *_strides(q_rows, ctx.split), *_strides(dout, ctx.split)[1:],
-            ctypes.c_float(d**-0.5), threads)
+            pointer(dweights), pointer(dgate), *ctx.shape, int(shared_grads), *_strides(q_rows, ctx.split),
+            *_strides(dout, ctx.split)[1:], ctypes.c_float(d**-0.5), threads)
         if status:
             raise MemoryError("span attention: a thread could not allocate its probabilities")
         flops.attention(ctx.pairs, g, d, backward=True)

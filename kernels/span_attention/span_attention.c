@@ -190,7 +190,8 @@ INLINE void backward_heads(const Problem *p, int64_t b, int64_t i, int64_t h0, c
     query_rows(p, b, i, h0, nh, rotated, q, d);
     for (int h = 0; h < nh; h++) {
         head_row[h] = (b * p->g + h0 + h) * m + i;
-        dout[h] = p->dout + (b / p->heads) * p->o_b + (b % p->heads) * p->o_h + (h0 + h) * p->o_g + i * p->o_m;
+        dout[h] = p->dout + (b / p->heads) * p->o_b + (b % p->heads) * p->o_h + (h0 + h) * p->o_g
+                  + i * p->o_m;
         dq[h] = p->phases ? rotated + (2 + h) * d : p->dq + head_row[h] * d;
         probs[h] = buffer + h * stride;
         dprobs[h] = buffer + (2 + h) * stride;
