@@ -50,6 +50,22 @@ def load(source: Path, signatures: tuple[tuple[str, int, int], ...]) -> Optional
     return library
 
 
+def rows_as_they_lie(x: Tensor) -> Tensor:
+    """x with its last dimension contiguous, as the kernels read rows: a view of a projection as it
+    is, a copy only where the last dimension is strided."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def row_strides(x: Tensor, split: bool) -> tuple[int, ...]:
+    """Where the kernels find each row of x: (heads, batch stride, head stride, then the strides of
+    the dimensions between the heads and the last), for leading dimensions [batch, heads] (split)
+    or [batch * heads]. Row (b, ...) of batch * head b is at (b / heads) batch stride + (b % heads)
+    head stride + ..."""
+    if split:
+        return (x.shape[1], *x.stride()[:-1])
+    return (1, x.stride(0), 0, *x.stride()[1:-1])
+
+
 def transposed_tiles(x: Tensor) -> Tensor:
     """[..., n, d] -> [..., n / TILE, d, TILE] (n zero-padded to a multiple of TILE): keys in the
     layout native.h's tile_scores reads; x may be any strided view."""

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from kernels import flops
 from kernels.compressed_attention.reference import CompressedAttention, Layout, select
-from kernels.native import load, pointer, transposed_tiles
+from kernels.native import load, pointer, row_strides, rows_as_they_lie, transposed_tiles
 
 # choose(importance [bh, chunk, fine blocks up to the chunk's last query], first position)
 #   -> (scores, indices) [bh, chunk, selected]
@@ -163,19 +163,15 @@ class _CompressedSelection(torch.autograd.Function):
         block, stride, fine_block, forced, free = knobs
         g, m, d = q.shape[-3:]
         bh = q.shape[:-3].numel()
-        q32, vc32 = q.float(), vc.float().contiguous()
-        q32 = q32 if q32.stride(-1) == 1 else q32.contiguous()
-        # where each query row lies: [b, h, ...] or [b * h, ...] leading dimensions
-        heads, *q_strides = ((q.shape[1], *q32.stride()[:-1]) if q.dim() == 5
-                             else (1, q32.stride(0), 0, *q32.stride()[1:-1]))
+        q32, vc32 = rows_as_they_lie(q.float()), vc.float().contiguous()
         kc_t = transposed_tiles(kc.float())  # held here: a pointer does not keep its tensor alive
         out, lse = q32.new_empty(bh, g, m, d), q32.new_empty(bh, g, m)
         scores = q32.new_empty(bh, m, free)
         indices = torch.empty(bh, m, free, dtype=torch.int64)
         status = library.block_selection(pointer(q32), pointer(kc_t), pointer(vc32), pointer(scores), pointer(indices),
                                          pointer(out), pointer(lse), bh, g, m, d, kc.shape[1], block, stride,
-                                         fine_block, forced, free, heads, *q_strides, ctypes.c_float(d**-0.5),
-                                         torch.get_num_threads())
+                                         fine_block, forced, free, *row_strides(q32, q.dim() == 5),
+                                         ctypes.c_float(d**-0.5), torch.get_num_threads())
         if status:
             raise MemoryError("block selection: a thread could not allocate its scores")
         if kc.shape[1] == 0:  # no block at all: vc's empty data reads as NULL in C, which writes no output

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from kernels import flops
-from kernels.native import load, pointer, transposed_tiles
+from kernels.native import load, pointer, row_strides, rows_as_they_lie, transposed_tiles
 
 _SOURCE = Path(__file__).with_name("span_attention.c")
 _SIGNATURES = (("span_attention_forward", 9, 16), ("span_attention_backward", 16, 18))
@@ -71,7 +71,7 @@ class _SpanAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spans, weights, gate, phases):
         weights, gate = (None if t is None else t.contiguous() for t in (weights, gate))
-        q_rows, v_rows = _rows(q), _rows(v)
+        q_rows, v_rows = rows_as_they_lie(q), rows_as_they_lie(v)
         g, m, d = q.shape[-3:]
         bh, ctx.split = q.shape[:-3].numel(), q.dim() == 5
         out, lse = q.new_empty(*q.shape[:-3], g, m, d), q.new_empty(bh, g, m)  # out laid out as [bh, g, m, d]
@@ -81,8 +81,8 @@ class _SpanAttention(torch.autograd.Function):
         k_t = transposed_tiles(_rotated_keys(k, phases))  # held here: a pointer does not keep its tensor alive
         status = _library().span_attention_forward(
             pointer(q_rows), pointer(k_t), pointer(v_rows), pointer(spans), pointer(weights), pointer(gate),
-            pointer(phases), pointer(out), pointer(lse), *ctx.shape, *_strides(q_rows, ctx.split),
-            *_strides(v_rows, ctx.split)[1:], ctypes.c_float(d**-0.5), torch.get_num_threads())
+            pointer(phases), pointer(out), pointer(lse), *ctx.shape, *row_strides(q_rows, ctx.split),
+            *row_strides(v_rows, ctx.split)[1:], ctypes.c_float(d**-0.5), torch.get_num_threads())
         if status:
             raise MemoryError("span attention: a thread could not allocate its scores")
         # q, k and v as given (views of the caller's projection, say): the caller keeps them anyway
@@ -92,11 +92,11 @@ class _SpanAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, spans, weights, gate, phases, lse = ctx.saved_tensors
-        q_rows = _rows(q)
+        q_rows = rows_as_they_lie(q)
         bh, g, m, d = ctx.shape[:4]
         threads = torch.get_num_threads()
         shared_grads = bh % threads == 0  # each thread's rows are whole batch * kv heads: no two add into one key
-        dout = _rows(dout.float())  # the output's gradient as it comes (a transpose of to_out's, say)
+        dout = rows_as_they_lie(dout.float())  # the output's gradient as it comes (a transpose of to_out's, say)
         dlse = None if dlse is None else dlse.float().contiguous()
         dq = q.new_empty(q.shape)  # laid out as [bh, g, m, d]
         keys = _rotated_keys(k, phases)
@@ -107,8 +107,8 @@ class _SpanAttention(torch.autograd.Function):
         status = _library().span_attention_backward(
             pointer(q_rows), pointer(keys), pointer(k_t), pointer(v_t), pointer(spans), pointer(weights), pointer(gate),
             pointer(phases), pointer(lse), pointer(dout), pointer(dlse), pointer(dq), pointer(dk), pointer(dv),
-            pointer(dweights), pointer(dgate), *ctx.shape, int(shared_grads), *_strides(q_rows, ctx.split),
-            *_strides(dout, ctx.split)[1:], ctypes.c_float(d**-0.5), threads)
+            pointer(dweights), pointer(dgate), *ctx.shape, int(shared_grads), *row_strides(q_rows, ctx.split),
+            *row_strides(dout, ctx.split)[1:], ctypes.c_float(d**-0.5), threads)
         if status:
             raise MemoryError("span attention: a thread could not allocate its probabilities")
         flops.attention(ctx.pairs, g, d, backward=True)
@@ -116,20 +116,6 @@ class _SpanAttention(torch.autograd.Function):
         if phases is not None:  # the keys' gradient, rotated back
             _rotate_(dk, phases, inverse=True)
         return dq, dk.view(k.shape), dv.view(v.shape), None, dweights, dgate, None
-
-
-def _rows(x: Tensor) -> Tensor:
-    """x with its last dimension contiguous, as the kernel reads rows (a view of a projection as it
-    is; a copy only where the last dimension is strided)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _strides(x: Tensor, split: bool) -> tuple[int, ...]:
-    """(heads, batch stride, head stride, then the strides of the dimensions between the heads and
-    the last) of x, whose leading dimensions are [batch, heads] (split) or [batch * heads]."""
-    if split:
-        return (x.shape[1], *x.stride()[:-1])
-    return (1, x.stride(0), 0, *x.stride()[1:-1])
 
 
 def _rotated_keys(k: Tensor, phases: Optional[Tensor]) -> Tensor:
