@@ -41,8 +41,13 @@ typedef struct {
     float scale;
 } Problem;
 
+/* Where batch * kv head b begins in a tensor of batch stride sb and head stride sh */
+INLINE int64_t head_offset(const Problem *p, int64_t b, int64_t sb, int64_t sh) {
+    return (b / p->heads) * sb + (b % p->heads) * sh;
+}
+
 INLINE const float *query_row(const Problem *p, int64_t b, int64_t h, int64_t i) {
-    return p->q + (b / p->heads) * p->q_b + (b % p->heads) * p->q_h + h * p->q_g + i * p->q_m;
+    return p->q + head_offset(p, b, p->q_b, p->q_h) + h * p->q_g + i * p->q_m;
 }
 
 /* y = x with each channel pair rotated by `phase` (d / 2 (cos, sin) pairs), or back with inverse */
@@ -144,7 +149,7 @@ INLINE void forward_heads(const Problem *p, int64_t b, int64_t i, int64_t h0, co
     const int64_t m = p->m, row = b * m + i, stride = p->max_keys + 1;
     const int32_t *span = row_spans(p, b, i);
     const float *keys_t = p->k_t + b * p->n_tiled * d;
-    const float *values = p->v + (b / p->heads) * p->v_b + (b % p->heads) * p->v_h;
+    const float *values = p->v + head_offset(p, b, p->v_b, p->v_h);
     int64_t head_row[2];
     const float *q[2];
     float *out[2], *probs[2];
@@ -190,8 +195,7 @@ INLINE void backward_heads(const Problem *p, int64_t b, int64_t i, int64_t h0, c
     query_rows(p, b, i, h0, nh, rotated, q, d);
     for (int h = 0; h < nh; h++) {
         head_row[h] = (b * p->g + h0 + h) * m + i;
-        dout[h] = p->dout + (b / p->heads) * p->o_b + (b % p->heads) * p->o_h + (h0 + h) * p->o_g
-                  + i * p->o_m;
+        dout[h] = p->dout + head_offset(p, b, p->o_b, p->o_h) + (h0 + h) * p->o_g + i * p->o_m;
         dq[h] = p->phases ? rotated + (2 + h) * d : p->dq + head_row[h] * d;
         probs[h] = buffer + h * stride;
         dprobs[h] = buffer + (2 + h) * stride;
