@@ -61,7 +61,10 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Opti
         raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not go with queries {tuple(q.shape)}")
     if phases is not None and phases.shape[0] < max(q.shape[-2], k.shape[-2]):
         raise ValueError(f"{phases.shape[0]} rotary phases for {max(q.shape[-2], k.shape[-2])} positions")
-    out, lse = _SpanAttention.apply(q.float(), k.float(), v.float(), spans.to(torch.int32).contiguous(),
+    # q, k and v go in as they are (fp32 copies live only inside forward and backward), so what is
+    # kept for the backward is the caller's tensors: in bf16, half the bytes, and still views of
+    # a projection that models/recompute.py recomputes
+    out, lse = _SpanAttention.apply(q, k, v, spans.to(torch.int32).contiguous(),
                                     None if weights is None else weights.float(), None if gate is None else gate.float(),
                                     None if phases is None else phases.float().contiguous())
     return out.to(q.dtype), lse
@@ -69,8 +72,9 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Opti
 
 class _SpanAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spans, weights, gate, phases):
+    def forward(ctx, q_in, k_in, v_in, spans, weights, gate, phases):
         weights, gate = (None if t is None else t.contiguous() for t in (weights, gate))
+        q, k, v = q_in.float(), k_in.float(), v_in.float()
         q_rows, v_rows = rows_as_they_lie(q), rows_as_they_lie(v)
         g, m, d = q.shape[-3:]
         bh, ctx.split = q.shape[:-3].numel(), q.dim() == 5
@@ -86,12 +90,13 @@ class _SpanAttention(torch.autograd.Function):
         if status:
             raise MemoryError("span attention: a thread could not allocate its scores")
         # q, k and v as given (views of the caller's projection, say): the caller keeps them anyway
-        ctx.save_for_backward(q, k, v, spans, weights, gate, phases, lse)
+        ctx.save_for_backward(q_in, k_in, v_in, spans, weights, gate, phases, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, spans, weights, gate, phases, lse = ctx.saved_tensors
+        q_in, k_in, v_in, spans, weights, gate, phases, lse = ctx.saved_tensors
+        q, k, v = q_in.float(), k_in.float(), v_in.float()
         q_rows = rows_as_they_lie(q)
         bh, g, m, d = ctx.shape[:4]
         threads = torch.get_num_threads()
@@ -115,7 +120,8 @@ class _SpanAttention(torch.autograd.Function):
         dk, dv = (t[0] if shared_grads else t.sum(0) for t in (dk, dv))
         if phases is not None:  # the keys' gradient, rotated back
             _rotate_(dk, phases, inverse=True)
-        return dq, dk.view(k.shape), dv.view(v.shape), None, dweights, dgate, None
+        return (dq.to(q_in.dtype), dk.view(k.shape).to(k_in.dtype), dv.view(v.shape).to(v_in.dtype), None, dweights,
+                dgate, None)
 
 
 def _rotated_keys(k: Tensor, phases: Optional[Tensor]) -> Tensor:

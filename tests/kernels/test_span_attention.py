@@ -85,12 +85,22 @@ def test_slot_weights_scale_each_share_and_get_their_gradient(d):
 
 
 def test_half_precision_inputs_come_back_in_their_dtype():
+    """bf16 in, bf16 out and bf16 gradients, computed in fp32 (as the float64 reference of the
+    same bf16 values, to bf16's precision)."""
     q, k, v = inputs(m=20)
     spans = window_and_blocks(20, window=4, block=2)
-    out, lse = span_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), spans)
-    ref, _ = naive_span_attention(q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double(), spans)
+    half = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    out, lse = span_attention(*half, spans)
+    wide = [t.detach().double().requires_grad_() for t in half]
+    ref, _ = naive_span_attention(*wide, spans)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    out.backward(dout.bfloat16())
+    ref.backward(dout.bfloat16().double())
+    for got, want in zip(half, wide):
+        assert got.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=5e-2, rtol=5e-2)
 
 
 def test_results_do_not_depend_on_the_thread_count():

@@ -132,16 +132,19 @@ def test_cpu_kernel_trains_as_the_torch_path(n, diff_topk):
 
 
 @pytest.mark.skipif(not span_attention.available(), reason="no C compiler for the CPU kernel")
-def test_cpu_kernel_training_keeps_neither_projection():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cpu_kernel_training_keeps_neither_projection(precision):
     """The query and key/value projections are recomputed in the backward (models/recompute.py):
     none of their storage is among what the training forward saves, nor a copy of their values
-    (batch 2 with 2 kv heads: flattening (batch, kv heads) of a projection's view would copy)."""
+    (batch 2 with 2 kv heads: flattening (batch, kv heads) of a projection's view would copy; in
+    bf16, the kernels' fp32 inputs would be copies)."""
     attn = NativeSparseAttention(dim=32, heads=4, dim_head=16, kernel="cpu", **KNOBS)
     projections = []
     for layer in (attn.to_q, attn.to_kv):
         layer.register_forward_hook(lambda module, args, out: projections.append(out))
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = attn(torch.randn(2, 40, 32, requires_grad=True))
     assert len(projections) == 2 and saved
     storages = {t.untyped_storage().data_ptr() for t in projections}
@@ -149,8 +152,8 @@ def test_cpu_kernel_training_keeps_neither_projection():
     q, kv = projections
     views = [rearrange(q, "b n (h g d) -> b h g n d", h=attn.kv_heads, g=attn.group)]  # as the kernels take them
     views += [t.transpose(1, 2) for t in kv.unflatten(-1, (6, attn.kv_heads, -1)).unbind(2)]
-    copies = [t for t in saved if any(t.shape == v.flatten(0, 1).shape and torch.equal(t, v.flatten(0, 1))
-                                      for v in views)]
+    copies = [t for t in saved for v in views for view in (v, v.flatten(0, 1))
+              if t.shape == view.shape and torch.equal(t.to(view.dtype), view)]
     assert not copies, [tuple(t.shape) for t in copies]
     out.sum().backward()  # and the backward runs from what was kept
 
