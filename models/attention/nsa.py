@@ -142,6 +142,8 @@ class NativeSparseAttention(nn.Module):
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens."""
         training = cache is None and torch.is_grad_enabled()
+        if torch.is_autocast_enabled(x.device.type):  # one cast for the three projections, not one each
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         # a training step on the CPU kernels keeps no layer's query and key/value projections for
         # the backward, it recomputes them from x (bench size at 8k: 616 -> 488 MB kept, dense 613)
         with RecomputedProjections(enabled=training and not self.diff_topk and self._cpu_kernels(x)) as projections:

@@ -158,6 +158,21 @@ def test_cpu_kernel_training_keeps_neither_projection(precision):
     out.sum().backward()  # and the backward runs from what was kept
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_training_keeps_one_cast_of_the_input(kernel):
+    """Under autocast the query, key/value and gate projections read one bf16 cast of x: a layer
+    keeps one copy of its input for their weight gradients, not one per projection."""
+    attn = NativeSparseAttention(dim=32, heads=4, dim_head=16, kernel=kernel, **KNOBS)
+    x = torch.randn(2, 40, 32, requires_grad=True) * 1.0  # not a leaf: autocast caches casts of leaves only
+    saved = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        attn(x)
+    casts = {t.untyped_storage().data_ptr() for t in saved
+             if t.dtype == torch.bfloat16 and t.numel() == x.numel() and torch.equal(t.float(), x.bfloat16().float().view_as(t))}
+    assert len(casts) == 1
+
+
 def test_cpu_kernel_without_a_compiler_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(span_attention, "available", lambda: False)
     with pytest.raises(ValueError, match="kernel=cpu needs a working C compiler"):
