@@ -132,7 +132,8 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
             run.log_metrics({"step": i, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0})
         loop_s = (time.perf_counter() - t0) / 20
 
-    activation_mb = saved_activation_bytes(forward, batch_tokens[:, :-1]) / 2**20
+    with autocast(precision):  # what the timed steps kept, in their precision
+        activation_mb = saved_activation_bytes(forward, batch_tokens[:, :-1]) / 2**20
     reference = model_name.startswith("ref:")  # another package's model: FLOPs not counted
     flops = None if reference else training_flops_per_token(model, seq, torch.device("cpu"))
     peak = matmul_peak_flops(torch.device("cpu"))

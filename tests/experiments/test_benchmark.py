@@ -1,0 +1,21 @@
+"""The training-step benchmark measures what it names, in the precision it is asked for."""
+
+import pytest
+
+from experiments import benchmark
+from experiments.runtime import throughput
+
+TINY = ["model.dim=32", "model.depth=1", "model.heads=2", "model.dim_head=16"]
+
+
+@pytest.fixture(autouse=True)
+def no_peak_measurement(monkeypatch):
+    monkeypatch.setattr(throughput, "matmul_peak_flops", lambda device: 1e12)  # MFU is not under test
+
+
+@pytest.mark.parametrize("model", ["transformer", "nsa"])
+def test_kept_activations_are_counted_in_the_steps_precision(model):
+    fp32, bf16 = (benchmark.measure(model, seq=64, batch=2, steps=1, threads=1, extra=TINY, precision=precision)
+                  for precision in ("fp32", "bf16"))
+    assert fp32["mode"] == bf16["mode"] == "train" and fp32["params"] == bf16["params"]
+    assert 0 < bf16["activation_mb"] < fp32["activation_mb"]
