@@ -61,9 +61,6 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Opti
         raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not go with queries {tuple(q.shape)}")
     if phases is not None and phases.shape[0] < max(q.shape[-2], k.shape[-2]):
         raise ValueError(f"{phases.shape[0]} rotary phases for {max(q.shape[-2], k.shape[-2])} positions")
-    # q, k and v go in as they are (fp32 copies live only inside forward and backward), so what is
-    # kept for the backward is the caller's tensors: in bf16, half the bytes, and still views of
-    # a projection that models/recompute.py recomputes
     out, lse = _SpanAttention.apply(q, k, v, spans.to(torch.int32).contiguous(),
                                     None if weights is None else weights.float(), None if gate is None else gate.float(),
                                     None if phases is None else phases.float().contiguous())
@@ -89,7 +86,8 @@ class _SpanAttention(torch.autograd.Function):
             *row_strides(v_rows, ctx.split)[1:], ctypes.c_float(d**-0.5), torch.get_num_threads())
         if status:
             raise MemoryError("span attention: a thread could not allocate its scores")
-        # q, k and v as given (views of the caller's projection, say): the caller keeps them anyway
+        # q, k and v as given, not their fp32 copies (views of the caller's projection, say, which
+        # the caller keeps or recomputes anyway; in bf16, half the bytes)
         ctx.save_for_backward(q_in, k_in, v_in, spans, weights, gate, phases, lse)
         return out, lse
 
