@@ -8,12 +8,15 @@ overhead, and each model's speed as a ratio to the dense transformer measured in
     python -m experiments.benchmark --decode --seq 4096 16384         # one decoding step after a cache
     python -m experiments.benchmark --precision bf16                  # autocast, as trainer.precision=bf16
     python -m experiments.benchmark --models nsa --seq 8192 --batch 1 --profile  # the ops of one step
+    python -m experiments.benchmark --models nsa transformer --seq 8192 --batch 1 --tensor-peak
     python -m experiments.benchmark --models sinkhorn ref:sinkhorn routing ref:routing
 
 Models are composed from conf/ exactly as train.py composes them (bench config: vocab 256,
 dim 256, depth 4, heads 4, dim_head 64; each attention adds its conf/model/<name>.yaml knobs;
 routing gets seq / window_size clusters, as the reference package derives them), fp32. Each
-measurement runs in a fresh process so that its peak memory is its own.
+measurement runs in a fresh process so that its peak memory is its own. That peak is resident memory,
+which also holds what the C allocator keeps after a free; --tensor-peak adds the peak of live tensors
+over one more step, what the model itself needs.
 
 The header names the processor: figures from different machines do not compare, ratios measured
 in one run do.
@@ -90,7 +93,7 @@ def autocast(precision: str):
 
 
 def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, extra: list[str],
-            precision: str = "fp32", profile: bool = False) -> dict:
+            precision: str = "fp32", profile: bool = False, tensor_peak: bool = False) -> dict:
     """One model's training-step figures, measured in this process; the peak memory is that of the
     timed steps (model, optimizer state, activations), not of the FLOP counting after them."""
     import torch
@@ -120,6 +123,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
     peak_mb = peak_memory_mb(torch.device("cpu"))
     if profile:
         print_profile(step)
+    tensors_mb = live_tensor_peak_bytes(step, model, optimizer) / 2**20 if tensor_peak else None
 
     # the loop's own work per step: sampling a batch and writing one metrics row
     import tempfile
@@ -147,6 +151,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         "step_s": round(step_s, 3),
         "tokens_per_s": round(tok_s, 1),
         "peak_mem_mb": round(peak_mb, 1),
+        "tensor_peak_mb": None if tensors_mb is None else round(tensors_mb, 1),
         "gflop_per_token": None if reference else round(flops / 1e9, 4),
         "mfu": None if reference else round(tok_s * flops / peak, 3),
         "matmul_peak_gflops": round(peak / 1e9, 1),
@@ -208,6 +213,27 @@ def print_profile(step, rows: int = 20) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
 
 
+def live_tensor_peak_bytes(step, model, optimizer) -> int:
+    """The most bytes tensors held at once during one call of step(): the weights, buffers and
+    optimizer state live before it, plus the peak of what the step allocated and had not yet freed
+    (the profiler's allocation events, in time order). Unlike resident memory, this leaves out
+    what the C allocator keeps after a free."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for t in (*model.parameters(), *model.buffers(), *state)}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in changes:
+        live += nbytes
+        peak = max(peak, live)
+    return sum(before.values()) + peak
+
+
 def saved_activation_bytes(forward, tokens) -> int:
     """Bytes autograd keeps from one training forward for the backward pass (each storage once)."""
     import torch
@@ -238,6 +264,8 @@ def main() -> None:
                         help="bf16: autocast on the CPU, as trainer.precision=bf16")
     parser.add_argument("--plot", type=Path, help="write tokens/s and peak memory against length (log-log) here")
     parser.add_argument("--profile", action="store_true", help="print the operators of one step of each measurement")
+    parser.add_argument("--tensor-peak", action="store_true",
+                        help="also the peak of live tensors over one more step (training only)")
     parser.add_argument("--override", nargs="*", default=[], help="extra config overrides, e.g. model.num_fine_selected=8")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: print one JSON row
     args = parser.parse_args()
@@ -245,13 +273,15 @@ def main() -> None:
             ("--batch", args.batch), ("--steps", args.steps), ("--threads", args.threads), ("--repeat", args.repeat),
             ("--seq", min(args.seq)))}):
         parser.error(error)
+    if args.decode and args.tensor_peak:
+        parser.error("--tensor-peak measures a training step: leave out --decode")
     if not args.one and (problem := config_problem(args.models, args.override)):
         parser.error(problem)
 
     if args.one:
-        run = measure_decode if args.decode else measure
-        row = run(args.models[0], args.seq[0], args.batch, args.steps, args.threads, args.override, args.precision,
+        common = (args.models[0], args.seq[0], args.batch, args.steps, args.threads, args.override, args.precision,
                   args.profile)
+        row = measure_decode(*common) if args.decode else measure(*common, tensor_peak=args.tensor_peak)
         print(json.dumps(row))
         return
 
@@ -270,6 +300,7 @@ def main() -> None:
                         "--models", name, "--seq", str(seq), "--batch", str(args.batch), "--steps", str(args.steps),
                         "--threads", str(args.threads), "--precision", args.precision,
                         *(["--decode"] if args.decode else []), *(["--profile"] if args.profile else []),
+                        *(["--tensor-peak"] if args.tensor_peak else []),
                         "--override", *args.override])
                 except RuntimeError as e:
                     print(f"{name:<14} {seq:>6} failed: {e}")
@@ -304,6 +335,8 @@ def median_round(runs: list[dict]) -> dict:
 
     row = dict(median_row(runs, "tokens_per_s"))
     row["peak_mem_mb"] = max(r["peak_mem_mb"] for r in runs)
+    if row.get("tensor_peak_mb") is not None:
+        row["tensor_peak_mb"] = max(r["tensor_peak_mb"] for r in runs)
     return row
 
 
@@ -313,7 +346,8 @@ def print_table(table: list[dict], args) -> None:
         header = f"{'model':<14} {'context':>7} {'batch':>5} {'tokens/s':>10} {'step ms':>8} {'x dense':>7} {'prompt s':>8} {'peak MB':>8}"
     else:
         header = (f"{'model':<14} {'seq':>6} {'batch':>5} {'tokens/s':>10} {'step s':>8} {'x dense':>7} {'peak MB':>8} "
-                  f"{'/dense':>6} {'act MB':>7} {'MFU':>6} {'loop %':>7}")
+                  f"{'/dense':>6} {'act MB':>7} {'MFU':>6} {'loop %':>7}"
+                  + (f" {'tensor MB':>9} {'/dense':>6}" if args.tensor_peak else ""))
     print(header)
     print("-" * len(header))
     for r in table:
@@ -325,14 +359,23 @@ def print_table(table: list[dict], args) -> None:
             continue
         memory = format(r["peak_mem_mb"] / base["peak_mem_mb"], ".2f") if base else "-"
         mfu = "-" if r["mfu"] is None else format(r["mfu"], ".1%")
+        tensors = ""
+        if args.tensor_peak:
+            ratio = format(r["tensor_peak_mb"] / base["tensor_peak_mb"], ".2f") if base else "-"
+            tensors = f" {r['tensor_peak_mb']:>9,.0f} {ratio:>6}"
         print(f"{r['model']:<14} {r['seq']:>6} {r['batch']:>5} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.3f} "
               f"{speed:>7} {r['peak_mem_mb']:>8,.0f} {memory:>6} {r['activation_mb']:>7,.0f} {mfu:>6} "
-              f"{r['loop_overhead']:>7.2%}")
+              f"{r['loop_overhead']:>7.2%}{tensors}")
     what = "one decoding step after the context, greedy" if args.decode else "forward, loss, backward, optimizer step"
-    print(f"({what}; {args.precision}, {args.threads} threads, median of {args.steps} steps, median of {args.repeat} "
-          "interleaved rounds, largest peak; x dense and /dense: tokens/s and peak memory against the transformer "
-          "in this run" + ("" if args.decode else "; act MB: tensors one forward keeps for the backward; MFU "
-                           "against the measured fp32 matmul peak") + ")")
+    notes = [f"{what}; {args.precision}, {args.threads} threads, median of {args.steps} steps, median of "
+             f"{args.repeat} interleaved rounds, largest peak",
+             "x dense and /dense: tokens/s and peak memory against the transformer in this run"]
+    if not args.decode:
+        notes += ["act MB: tensors one forward keeps for the backward", "MFU against the measured fp32 matmul peak"]
+    if args.tensor_peak:
+        notes.append("tensor MB: the most that live tensors held at once over one more step (weights and optimizer "
+                     "state included)")
+    print(f"({'; '.join(notes)})")
 
 
 def plot_scaling(table: list[dict], path: Path, args) -> None:

@@ -216,6 +216,7 @@ BENCHMARK_CASES = [
 
 BENCHMARK_FLAG_CASES = [
     ("experiments.benchmark", ["--seq", "1024", "0", "--repeat", "0"], "--repeat=0 must be at least 1; --seq=0 must"),
+    ("experiments.benchmark", ["--decode", "--tensor-peak"], "--tensor-peak measures a training step: leave out"),
     ("experiments.benchmark_speculative", ["--gamma", "0", "--primes", "0"], "--gamma=0 must be at least 1; --primes"),
     ("experiments.benchmark_speculative", ["--temperature", "-1"], "--temperature=-1.0 must be 0 or more"),
     ("experiments.benchmark_dalle", ["--steps", "0", "--ff-mult", "0"], "--steps=0 must be at least 1; --ff-mult=0.0 "

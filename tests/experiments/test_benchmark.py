@@ -19,3 +19,14 @@ def test_kept_activations_are_counted_in_the_steps_precision(model):
                   for precision in ("fp32", "bf16"))
     assert fp32["mode"] == bf16["mode"] == "train" and fp32["params"] == bf16["params"]
     assert 0 < bf16["activation_mb"] < fp32["activation_mb"]
+
+
+def test_tensor_peak_holds_the_optimizer_state_and_all_the_forward_keeps():
+    """At the start of the backward both Adam moments and every tensor kept for it are live, so the
+    peak of live tensors is at least that: weights * 2 + what the forward keeps (weights it saves
+    included there). Resident memory, libraries and all, lies above it."""
+    row = benchmark.measure("transformer", seq=512, batch=4, steps=1, threads=1, extra=TINY, tensor_peak=True)
+    weights_mb = row["params"] * 4 / 2**20
+    assert row["activation_mb"] > weights_mb  # the peak is not the weights and moments alone
+    assert 2 * weights_mb + row["activation_mb"] <= row["tensor_peak_mb"] < row["peak_mem_mb"]
+    assert benchmark.measure("transformer", seq=64, batch=2, steps=1, threads=1, extra=TINY)["tensor_peak_mb"] is None
