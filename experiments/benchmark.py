@@ -226,7 +226,8 @@ def live_tensor_peak_bytes(step, model, optimizer) -> int:
               for t in (*model.parameters(), *model.buffers(), *state)}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    events = prof.profiler.kineto_results.events()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in changes:
         live += nbytes
