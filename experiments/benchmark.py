@@ -14,8 +14,10 @@ overhead, and each model's speed as a ratio to the dense transformer measured in
 Models are composed from conf/ exactly as train.py composes them (bench config: vocab 256,
 dim 256, depth 4, heads 4, dim_head 64; each attention adds its conf/model/<name>.yaml knobs;
 routing gets seq / window_size clusters, as the reference package derives them), fp32. Each
-measurement runs in a fresh process so that its peak memory is its own. That peak is resident memory,
-which also holds what the C allocator keeps after a free; --tensor-peak adds the peak of live tensors
+measurement runs in a fresh process so that its peak memory is its own, with the C allocator set
+as train.py sets it (trainer.cpu_allocator; `--override trainer.cpu_allocator=system` for glibc's
+defaults). That peak is resident memory, which also holds what the C allocator keeps after a free
+(with the caching allocator, the heap's largest extent); --tensor-peak adds the peak of live tensors
 over one more step, what the model itself needs.
 
 The header names the processor: figures from different machines do not compare, ratios measured
@@ -35,6 +37,7 @@ from typing import Optional
 
 from experiments.config import register
 from experiments.config.checks import composition_error, flag_error
+from experiments.runtime import allocator
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 BENCH = ["model.num_tokens=256", "model.dim=256", "model.depth=4", "model.heads=4", "model.dim_head=64"]
@@ -77,6 +80,7 @@ def build(model_name: str, seq: int, threads: int, extra: list[str]):
     torch.manual_seed(0)
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[*bench_overrides(model_name.removeprefix("ref:"), seq), *extra])
+    allocator.use(cfg.trainer.cpu_allocator.value)  # as train.py's backend sets it, before any tensor
     if model_name.startswith("ref:"):
         model, forward = reference_model(model_name, cfg, seq)
     else:
@@ -147,6 +151,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         "seq": seq,
         "batch": batch,
         "mode": "train",
+        "cpu_allocator": cfg.trainer.cpu_allocator.value,
         "params": sum(p.numel() for p in model.parameters()),
         "step_s": round(step_s, 3),
         "tokens_per_s": round(tok_s, 1),
@@ -196,6 +201,7 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
         "seq": context,
         "batch": batch,
         "mode": "decode",
+        "cpu_allocator": cfg.trainer.cpu_allocator.value,
         "params": sum(p.numel() for p in model.parameters()),
         "step_s": round(step_s, 5),
         "tokens_per_s": round(batch / step_s, 1),
@@ -368,8 +374,9 @@ def print_table(table: list[dict], args) -> None:
               f"{speed:>7} {r['peak_mem_mb']:>8,.0f} {memory:>6} {r['activation_mb']:>7,.0f} {mfu:>6} "
               f"{r['loop_overhead']:>7.2%}{tensors}")
     what = "one decoding step after the context, greedy" if args.decode else "forward, loss, backward, optimizer step"
-    notes = [f"{what}; {args.precision}, {args.threads} threads, median of {args.steps} steps, median of "
-             f"{args.repeat} interleaved rounds, largest peak",
+    allocators = ", ".join(sorted({r["cpu_allocator"] for r in table}))
+    notes = [f"{what}; {args.precision}, {args.threads} threads, {allocators} cpu allocator, median of {args.steps} "
+             f"steps, median of {args.repeat} interleaved rounds, largest peak",
              "x dense and /dense: tokens/s and peak memory against the transformer in this run"]
     if not args.decode:
         notes += ["act MB: tensors one forward keeps for the backward", "MFU against the measured fp32 matmul peak"]

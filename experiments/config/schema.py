@@ -27,6 +27,11 @@ class Device(Enum):
     cuda = "cuda"
 
 
+class CpuAllocator(Enum):
+    system = "system"
+    caching = "caching"
+
+
 class Precision(Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -63,6 +68,7 @@ class TrainerConfig:
     clip_grad_norm: Optional[float] = MISSING  # null: no clipping
     resume: str = MISSING  # auto | never | <checkpoint file or run directory>
     threads: Optional[int] = MISSING  # torch intra-op threads on CPU; null: torch's default
+    cpu_allocator: CpuAllocator = MISSING  # freed memory: back to the system, or kept for reuse
     progress: bool = MISSING  # tqdm progress bar on stderr
 
 

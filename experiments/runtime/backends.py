@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from experiments.runtime import launch
-from experiments.runtime.throughput import peak_memory_mb
+from experiments.runtime import allocator, launch
+from experiments.runtime.throughput import peak_memory_mb, reset_peak_memory
 from experiments.runtime.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,17 @@ class LocalBackend:
     world_size = 1
 
     def setup(self, trainer) -> None:
-        """Pick the device, seed every generator, set CPU threads. Runs before the model is built."""
+        """Pick the device, seed every generator, set CPU threads and what the C allocator does with
+        freed memory. Runs before the model is built."""
         self.device = self._device(trainer.device.value)
         self.precision = trainer.precision.value
         if self.precision == "fp16" and self.device.type != "cuda":
             raise UserError("trainer.precision=fp16 needs a CUDA device: use bf16 or fp32 on the CPU")
         if trainer.threads:
             torch.set_num_threads(trainer.threads)
+        if not allocator.use(trainer.cpu_allocator.value):
+            log.info("trainer.cpu_allocator=%s: this C library is not glibc, it keeps its own policy",
+                     trainer.cpu_allocator.value)
         random.seed(trainer.seed)
         torch.manual_seed(trainer.seed)
         reset_peak_memory(self.device)  # sweep jobs share a process: each measures its own peak
@@ -270,18 +274,6 @@ class DeepSpeedBackend(DDPBackend):
                             "by backend=deepspeed. Resume it with the backend that wrote it")
         for t in trainees:
             t.forward.load_checkpoint(str(engine_dir), tag=t.prefix or "model", load_lr_scheduler_states=False)
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # Linux: "5" resets the process's peak resident set size (VmHWM)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # elsewhere the peak is the process's since its start
-
 
 
 def parallel_job_slot():

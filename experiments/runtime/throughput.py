@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from experiments.runtime import allocator
 from kernels import flops as kernel_flops
 from kernels.native import cache_root
 
@@ -162,10 +163,13 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start peak_memory_mb afresh from what is held now (Linux and CUDA; a no-op elsewhere)."""
+    """Start peak_memory_mb afresh from what is held now (Linux and CUDA; a no-op elsewhere). On the
+    CPU the C allocator first returns the free memory it keeps (a caching heap's, say): what an
+    earlier job of the same process freed is not this job's."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    allocator.release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets the resident set's high-water mark
