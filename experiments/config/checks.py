@@ -154,6 +154,9 @@ def composition_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from experiments.config.schema import register
+
+    register()  # the schemas the config names, whoever calls first
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train"):
             compose(config_name="config", overrides=overrides)
