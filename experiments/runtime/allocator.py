@@ -1,5 +1,5 @@
 """What the process's C allocator does with freed memory: give it back to the system, or keep it
-for the next step (`trainer.cpu_allocator`, the benchmark's `--cpu-allocator`).
+for the next step (`trainer.cpu_allocator`; the benchmark's children set it from the same key).
 
     system   glibc's defaults: a block above its threshold (which grows to at most 32 MB) is mapped
              on its own and unmapped when freed, so a tensor that large faults all its pages in
@@ -58,7 +58,7 @@ def release_free_memory() -> None:
 
 @cache
 def _glibc() -> Optional[ctypes.CDLL]:
-    """The process's C library where it is glibc (it has gnu_get_libc_version and mallopt)."""
+    """The process's C library where it is glibc (it has gnu_get_libc_version, mallopt and malloc_trim)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
