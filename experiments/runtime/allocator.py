@@ -32,15 +32,15 @@ _changed = False  # whether this process left glibc's defaults: "system" then ha
 
 def use(mode: str) -> bool:
     """Set this process's C allocator to `mode` (one of MODES) for the allocations that follow;
-    False where the C library is not glibc (nothing changed)."""
+    False where caching was asked for and the C library is not glibc (nothing changed)."""
     global _changed
     if mode not in MODES:
         raise ValueError(f"cpu allocator {mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "system" and not _changed:  # untouched: the C library's own defaults (glibc's growing threshold)
+        return True
     libc = _glibc()
     if libc is None:
         return False
-    if mode == "system" and not _changed:  # untouched: glibc's own defaults, its growing threshold included
-        return True
     for parameter, value in _SETTINGS[mode]:
         if libc.mallopt(parameter, value) != 1:
             return False
