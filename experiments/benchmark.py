@@ -17,8 +17,9 @@ routing gets seq / window_size clusters, as the reference package derives them),
 measurement runs in a fresh process so that its peak memory is its own, with the C allocator set
 as train.py sets it (trainer.cpu_allocator; `--override trainer.cpu_allocator=system` for glibc's
 defaults). That peak is resident memory, which also holds what the C allocator keeps after a free
-(with the caching allocator, the heap's largest extent); --tensor-peak adds the peak of live tensors
-over one more step, what the model itself needs.
+(with the caching allocator, the heap's largest extent), read once it has held for 3 steps (the heap
+grows for several steps); --tensor-peak adds the peak of live tensors over one more step, what the
+model itself needs.
 
 The header names the processor: figures from different machines do not compare, ratios measured
 in one run do.
@@ -107,7 +108,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
     from experiments.data.text import ByteText
     from experiments.runtime.run import Run
     from experiments.runtime.throughput import (matmul_peak_flops, median_seconds, peak_memory_mb, reset_peak_memory,
-                                                training_flops_per_token)
+                                                settled_peak_mb, training_flops_per_token)
 
     cfg, model, forward = build(model_name, seq, threads, extra)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
@@ -124,7 +125,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
 
     reset_peak_memory(torch.device("cpu"))
     step_s = median_seconds(step, steps)
-    peak_mb = peak_memory_mb(torch.device("cpu"))
+    peak_mb, settle_steps, settled = settled_peak_mb(step, lambda: peak_memory_mb(torch.device("cpu")), step_s)
     if profile:
         print_profile(step)
     tensors_mb = live_tensor_peak_bytes(step, model, optimizer) / 2**20 if tensor_peak else None
@@ -156,6 +157,8 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         "step_s": round(step_s, 3),
         "tokens_per_s": round(tok_s, 1),
         "peak_mem_mb": round(peak_mb, 1),
+        "memory_steps": steps + 1 + settle_steps,
+        "memory_settled": settled,
         "tensor_peak_mb": None if tensors_mb is None else round(tensors_mb, 1),
         "gflop_per_token": None if reference else round(flops / 1e9, 4),
         "mfu": None if reference else round(tok_s * flops / peak, 3),
@@ -342,6 +345,8 @@ def median_round(runs: list[dict]) -> dict:
 
     row = dict(median_row(runs, "tokens_per_s"))
     row["peak_mem_mb"] = max(r["peak_mem_mb"] for r in runs)
+    if "memory_settled" in row:
+        row["memory_settled"] = all(r["memory_settled"] for r in runs)
     if row.get("tensor_peak_mb") is not None:
         row["tensor_peak_mb"] = max(r["tensor_peak_mb"] for r in runs)
     return row
@@ -370,8 +375,9 @@ def print_table(table: list[dict], args) -> None:
         if args.tensor_peak:
             ratio = format(r["tensor_peak_mb"] / base["tensor_peak_mb"], ".2f") if base else "-"
             tensors = f" {r['tensor_peak_mb']:>9,.0f} {ratio:>6}"
+        peak = format(r["peak_mem_mb"], ",.0f") + ("" if r["memory_settled"] else "+")
         print(f"{r['model']:<14} {r['seq']:>6} {r['batch']:>5} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.3f} "
-              f"{speed:>7} {r['peak_mem_mb']:>8,.0f} {memory:>6} {r['activation_mb']:>7,.0f} {mfu:>6} "
+              f"{speed:>7} {peak:>8} {memory:>6} {r['activation_mb']:>7,.0f} {mfu:>6} "
               f"{r['loop_overhead']:>7.2%}{tensors}")
     what = "one decoding step after the context, greedy" if args.decode else "forward, loss, backward, optimizer step"
     allocators = ", ".join(sorted({r["cpu_allocator"] for r in table}))
@@ -379,7 +385,8 @@ def print_table(table: list[dict], args) -> None:
              f"steps, median of {args.repeat} interleaved rounds, largest peak",
              "x dense and /dense: tokens/s and peak memory against the transformer in this run"]
     if not args.decode:
-        notes += ["act MB: tensors one forward keeps for the backward", "MFU against the measured fp32 matmul peak"]
+        notes += ["peak MB: resident, once it held for 3 steps in a row (+: still growing after 12 steps or a minute)",
+                  "act MB: tensors one forward keeps for the backward", "MFU against the measured fp32 matmul peak"]
     if args.tensor_peak:
         notes.append("tensor MB: the most that live tensors held at once over one more step (weights and optimizer "
                      "state included)")

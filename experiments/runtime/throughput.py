@@ -197,6 +197,24 @@ def median_seconds(step, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def settled_peak_mb(step, read_peak, step_s: float, held: int = 3, most: int = 12,
+                    budget_s: float = 60.0) -> tuple[float, int, bool]:
+    """More calls of step() until read_peak() holds (rises by under 0.5%) for `held` calls in a row:
+    a training step's resident high-water mark goes on growing for several steps after the first
+    (freed blocks of the C heap stop fitting later requests: at 8k tokens NSA's grew for 5 steps),
+    so a peak read after two or three steps is not yet what a run holds. At most `most` calls, and
+    none that would end past `budget_s` at `step_s` a call (a 32k step on a CPU takes a minute).
+    -> (the peak, the calls made, whether it held)."""
+    peak, calls, unchanged, started = read_peak(), 0, 0, time.perf_counter()
+    while unchanged < held and calls < most and time.perf_counter() - started + step_s <= budget_s:
+        step()
+        calls += 1
+        now = read_peak()
+        unchanged = unchanged + 1 if now < peak * 1.005 else 0
+        peak = max(peak, now)
+    return peak, calls, unchanged >= held
+
+
 def measure_in_child(module: str, args: list[str]) -> tuple[dict, list[str]]:
     """`python -m module --one *args` in a fresh process (no allocator or cache state carried over)
     -> (the JSON row it prints last, the lines it printed before). Raises RuntimeError with its last
