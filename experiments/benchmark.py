@@ -100,7 +100,8 @@ def autocast(precision: str):
 def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, extra: list[str],
             precision: str = "fp32", profile: bool = False, tensor_peak: bool = False) -> dict:
     """One model's training-step figures, measured in this process; the peak memory is that of the
-    timed steps (model, optimizer state, activations), not of the FLOP counting after them."""
+    timed steps and of those after them until it settles (model, optimizer state, activations, the
+    C heap), not of the FLOP counting after them."""
     import torch
     import torch.nn.functional as F
     from hydra.utils import instantiate
