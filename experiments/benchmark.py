@@ -126,7 +126,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
 
     reset_peak_memory(torch.device("cpu"))
     step_s = median_seconds(step, steps)
-    peak_mb, settle_steps, settled = settled_peak_mb(step, lambda: peak_memory_mb(torch.device("cpu")), step_s)
+    peak_mb, _, settled = settled_peak_mb(step, lambda: peak_memory_mb(torch.device("cpu")), step_s)
     if profile:
         print_profile(step)
     tensors_mb = live_tensor_peak_bytes(step, model, optimizer) / 2**20 if tensor_peak else None
@@ -158,7 +158,6 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         "step_s": round(step_s, 3),
         "tokens_per_s": round(tok_s, 1),
         "peak_mem_mb": round(peak_mb, 1),
-        "memory_steps": steps + 1 + settle_steps,
         "memory_settled": settled,
         "tensor_peak_mb": None if tensors_mb is None else round(tensors_mb, 1),
         "gflop_per_token": None if reference else round(flops / 1e9, 4),
