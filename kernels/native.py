@@ -50,6 +50,22 @@ def load(source: Path, signatures: tuple[tuple[str, int, int], ...]) -> Optional
     return library
 
 
+@lru_cache(maxsize=None)
+def load_torch_library(source: Path) -> Optional[ctypes.CDLL]:
+    """The C++ `source`, built against this PyTorch's headers and linked to its c10 (cached by
+    PyTorch's version too); None where no C++ compiler builds it."""
+    import torch
+
+    installed = Path(torch.__file__).parent  # its headers and libraries, as the wheel lays them out
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if platform.system() != "Linux" or compiler is None:
+        return None
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             f"-I{installed / 'include'}"]
+    libraries = (f"-L{installed / 'lib'}", "-lc10", f"-Wl,-rpath,{installed / 'lib'}")
+    return _build(compiler, source, flags, libraries, salt=torch.__version__)
+
+
 def rows_as_they_lie(x: Tensor) -> Tensor:
     """x with its last dimension contiguous, as the kernels read rows: a view of a projection as it
     is, a copy only where the last dimension is strided."""
@@ -79,9 +95,11 @@ def transposed_tiles(x: Tensor) -> Tensor:
     return tiles
 
 
-def _build(compiler: str, source: Path, flags: list[str]) -> Optional[ctypes.CDLL]:
-    """`source` built with `flags` (cached) and loaded; None where that fails."""
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), _HEADER.read_bytes(), " ".join([compiler, *flags]).encode(),
+def _build(compiler: str, source: Path, flags: list[str], libraries: tuple[str, ...] = ("-lm",),
+           salt: str = "") -> Optional[ctypes.CDLL]:
+    """`source` built with `flags` and linked with `libraries` (cached) and loaded; None where that fails."""
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), _HEADER.read_bytes(),
+                                     " ".join([compiler, *flags, *libraries, salt]).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     path = cache_root() / "kernels" / f"{source.stem}-{key}.so"
     if not path.exists():
@@ -89,7 +107,7 @@ def _build(compiler: str, source: Path, flags: list[str]) -> Optional[ctypes.CDL
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 built = Path(tmp) / path.name
-                subprocess.run([compiler, *flags, f"-I{_HEADER.parent}", str(source), "-o", str(built), "-lm"],
+                subprocess.run([compiler, *flags, f"-I{_HEADER.parent}", str(source), "-o", str(built), *libraries],
                                check=True, capture_output=True, timeout=120)
                 os.replace(built, path)  # atomic: concurrent runs of a sweep never load half a file
         except (OSError, subprocess.SubprocessError):

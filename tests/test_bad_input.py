@@ -93,7 +93,7 @@ COMPOSITION_CASES = [
     (["model.depth=two"], "model.depth=two; Value 'two' of type 'str' could not be converted to Integer"),
     (["model=nope"], "Could not find 'model/nope'; Available options in 'model': dalle; dvae; nsa"),
     (["trainer.precision=fp8"], "trainer.precision=fp8"),
-    (["trainer.cpu_allocator=jemalloc"], "Invalid value 'jemalloc', expected one of [system, caching]"),
+    (["trainer.cpu_allocator=jemalloc"], "Invalid value 'jemalloc', expected one of [system, caching, pooled]"),
 ]
 
 

@@ -30,6 +30,7 @@ class Device(Enum):
 class CpuAllocator(Enum):
     system = "system"
     caching = "caching"
+    pooled = "pooled"
 
 
 class Precision(Enum):
@@ -68,7 +69,7 @@ class TrainerConfig:
     clip_grad_norm: Optional[float] = MISSING  # null: no clipping
     resume: str = MISSING  # auto | never | <checkpoint file or run directory>
     threads: Optional[int] = MISSING  # torch intra-op threads on CPU; null: torch's default
-    cpu_allocator: CpuAllocator = MISSING  # freed memory: back to the system, or kept for reuse
+    cpu_allocator: CpuAllocator = MISSING  # freed memory: back to the system, kept on the heap, or pooled by size
     progress: bool = MISSING  # tqdm progress bar on stderr
 
 

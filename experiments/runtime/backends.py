@@ -58,7 +58,7 @@ class LocalBackend:
         if trainer.threads:
             torch.set_num_threads(trainer.threads)
         if not allocator.use(trainer.cpu_allocator.value):
-            log.info("trainer.cpu_allocator=caching: this C library is not glibc, it keeps its own policy")
+            log.info(f"trainer.cpu_allocator={trainer.cpu_allocator.value}: {allocator.FALLBACK[trainer.cpu_allocator.value]}")
         random.seed(trainer.seed)
         torch.manual_seed(trainer.seed)
         reset_peak_memory(self.device)  # sweep jobs share a process: each measures its own peak
