@@ -16,9 +16,9 @@ dim 256, depth 4, heads 4, dim_head 64; each attention adds its conf/model/<name
 routing gets seq / window_size clusters, as the reference package derives them), fp32. Each
 measurement runs in a fresh process so that its peak memory is its own, with the C allocator set
 as train.py sets it (trainer.cpu_allocator; `--override trainer.cpu_allocator=system` for glibc's
-defaults). That peak is resident memory, which also holds what the C allocator keeps after a free
-(with the caching allocator, the heap's largest extent), read once it has held for 3 steps (the heap
-grows for several steps); --tensor-peak adds the peak of live tensors over one more step, what the
+defaults). That peak is resident memory, which also holds what the allocator keeps after a free
+(the pool's kept blocks; with `caching`, the heap's largest extent), read once it has held for 3
+steps (a heap grows for several); --tensor-peak adds the peak of live tensors over one more step, what the
 model itself needs.
 
 The header names the processor: figures from different machines do not compare, ratios measured
