@@ -2,6 +2,7 @@
 step, fault their pages in afresh under glibc's defaults and reuse the heap's when caching; pooled,
 they reuse kept blocks of their size, and what is kept stays within 1/8 of what the tensors held."""
 
+import os
 import subprocess
 import sys
 
@@ -172,3 +173,14 @@ with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
 print(max(e.cpu_memory_usage for e in prof.events()))
 """
     assert int(_run(program)[0]) >= 40 << 20
+
+
+@needs_glibc
+def test_pooled_without_a_cpp_compiler_falls_back_to_the_caching_heap(tmp_path):
+    program = """
+from experiments.runtime import allocator
+print(allocator.use("pooled"), allocator.active(), allocator.pool_stats())
+"""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["False", "caching", "None"]
