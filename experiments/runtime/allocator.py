@@ -43,20 +43,24 @@ _SETTINGS = {"caching": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)),
              "system": ((_M_MMAP_MAX, 65536), (_M_TRIM_THRESHOLD, 128 * 1024))}
 _changed = False  # whether this process left glibc's defaults: "system" then has something to undo
 _active = "system"  # the mode in effect: what `use` asked for, or what it fell back to
+_pool_installed = False  # whether PyTorch's CPU allocator is the pool (on or switched off)
 
 
 def use(mode: str) -> bool:
     """Set what this process does with freed memory to `mode` (one of MODES) for the allocations
     that follow; False where it could not: caching or pooled without glibc (nothing changed), or
     pooled where the pool cannot be built (the heap caches, as `caching`)."""
-    global _active
+    global _active, _pool_installed
     if mode not in MODES:
         raise ValueError(f"cpu allocator {mode!r}: expected one of {', '.join(MODES)}")
-    if mode != "pooled" and _pool.cache_info().currsize and _pool() is not None:  # blocks come from the heap again
+    if mode != "pooled" and _pool_installed:  # blocks come from the heap again
         _pool().pool_switch_off()
-    heap_set = _use_heap("system" if mode == "system" else "caching")
-    pooled = mode == "pooled" and heap_set and _pool() is not None and _pool().pool_install(POOLED_FROM) == 0
-    _active = mode if (pooled or mode != "pooled") and heap_set else "caching" if heap_set else "system"
+    if not _use_heap("system" if mode == "system" else "caching"):
+        _active = "system"
+    elif mode == "pooled" and _pool() is not None and _pool().pool_install(POOLED_FROM) == 0:
+        _active, _pool_installed = "pooled", True
+    else:
+        _active = "caching" if mode == "pooled" else mode
     return _active == mode
 
 
@@ -68,7 +72,7 @@ def active() -> str:
 def pool_stats() -> Optional[dict]:
     """What the pool holds, in bytes (live, kept, most_live) and counts (maps, reuses, unmaps);
     None where this process never installed it."""
-    if not _pool.cache_info().currsize or _pool() is None:
+    if not _pool_installed:
         return None
     values = (ctypes.c_int64 * 6)()
     _pool().pool_stats(values)
@@ -81,7 +85,7 @@ def release_free_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
-    if _pool.cache_info().currsize and _pool() is not None:
+    if _pool_installed:
         _pool().pool_release()
 
 
