@@ -63,8 +63,6 @@ struct Pool final : c10::Allocator {
     size_t bytes = round_up(n, n >= kHugeFrom ? kHugePage : kPage);
     void* p = take(bytes, n);
     if (p == nullptr) throw std::bad_alloc();
-    if (c10::memoryProfilingEnabled())  // the profiler's tensor memory sees these blocks too
-      c10::reportMemoryUsageToProfiler(p, static_cast<int64_t>(n), live, live + cached, c10::Device(c10::kCPU));
     return {p, p, &release, c10::Device(c10::kCPU)};
   }
 
@@ -88,12 +86,18 @@ struct Pool final : c10::Allocator {
       size_t bound = std::max(peak_live, live + bytes);
       bound += bound / 8;
       while (!kept.empty() && live + bytes + cached > bound) drop(std::prev(kept.end()));
-      if ((p = map_block(bytes)) == nullptr) return nullptr;
+      p = map_block(bytes);
+      if (p == nullptr && !kept.empty()) {  // no memory left to map: unmap everything kept, and try again
+        while (!kept.empty()) drop(kept.begin());
+        p = map_block(bytes);
+      }
+      if (p == nullptr) return nullptr;
       maps++;
     }
     in_use.emplace(p, Block{bytes, requested});
     live += bytes;
     peak_live = std::max(peak_live, live);
+    report(p, static_cast<int64_t>(requested));
     return p;
   }
 
@@ -112,10 +116,15 @@ struct Pool final : c10::Allocator {
       munmap(p, bytes);
       unmaps++;
     }
-    if (c10::memoryProfilingEnabled())
-      c10::reportMemoryUsageToProfiler(p, -static_cast<int64_t>(requested), live, live + cached,
-                                       c10::Device(c10::kCPU));
+    report(p, -static_cast<int64_t>(requested));
     return true;
+  }
+
+  // the profiler's tensor memory sees these blocks too: under the lock, so that its events for one
+  // address come in the order the blocks changed hands
+  void report(void* p, int64_t bytes) {
+    if (c10::memoryProfilingEnabled())
+      c10::reportMemoryUsageToProfiler(p, bytes, live, live + cached, c10::Device(c10::kCPU));
   }
 
   void drop(std::multimap<size_t, void*>::iterator block) {

@@ -161,6 +161,25 @@ print(kept, allocator.pool_stats()["kept"], allocator.pool_stats()["most_live"])
 
 
 @needs_pool
+def test_a_block_that_no_longer_fits_the_address_space_frees_what_is_kept_first():
+    program = """
+import resource, torch
+from experiments.runtime import allocator
+assert allocator.use("pooled")
+MB = 1 << 20
+a, b = torch.empty(200 * MB, dtype=torch.uint8), torch.empty(40 * MB, dtype=torch.uint8)
+del a, b  # kept: 200 and 40 MB, 240 at most live
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size, resource.getrlimit(resource.RLIMIT_AS)[1]))
+# 210 MB fits no kept block; bounding what is kept unmaps the 200, which leaves room for 200 only:
+# the 40 must go too
+c = torch.empty(210 * MB, dtype=torch.uint8)
+print(allocator.pool_stats()["kept"], allocator.pool_stats()["live"] // MB)
+"""
+    assert _run(program) == ["0", "210"]
+
+
+@needs_pool
 def test_the_profiler_sees_the_pools_blocks():
     program = """
 import torch
