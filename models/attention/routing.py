@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from models.attention import cache as kv_cache
 from models.attention.masked import masked_attention
@@ -87,7 +88,11 @@ class RoutingAttention(nn.Module):
         q, k = self.rotary(q, start), self.rotary(k, start)
         if cache is not None:
             k, v, key_clusters = kv_cache.append(cache, start, k=k, v=v, clusters=clusters[..., None])
-        if cache is None or start == 0:
+        if cache is None and torch.is_grad_enabled():
+            # recomputed in the backward: the sorted layout keeps each chunk's keys and values twice
+            # (next to its own and its successor's queries), more than dense attention keeps
+            out = checkpoint(self._attend_sorted, q, k, v, clusters, use_reentrant=False)
+        elif cache is None or start == 0:
             out = self._attend_sorted(q, k, v, clusters)
         else:
             out = self._attend_cached(q, k, v, clusters, key_clusters[..., 0], start)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from models.attention import cache as kv_cache
 from models.attention.masked import masked_attention
@@ -77,7 +78,12 @@ class SinkhornAttention(nn.Module):
         (q, k), v = self.rotary(qkv[:2], start), qkv[2]
         if cache is not None:
             x, k, v = kv_cache.append(cache, start, x=x, k=k, v=v)
-        out = self._attend(x, q, k, v, start)
+        if cache is None and torch.is_grad_enabled():
+            # recomputed in the backward: the bucketed layout keeps each bucket's keys and values
+            # twice (next to its own and as another's extra bucket), more than dense attention keeps
+            out = checkpoint(self._attend, x, q, k, v, start, use_reentrant=False)
+        else:
+            out = self._attend(x, q, k, v, start)
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
     truncate_cache = staticmethod(kv_cache.truncate)

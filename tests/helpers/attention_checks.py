@@ -67,3 +67,38 @@ def assert_truncated_cache_forgets(model, tokens, keep):
     model.truncate_cache(cache, keep)
     tail = torch.cat([model(other[:, i : i + 1], cache=cache) for i in range(keep, tokens.shape[1])], 1)
     torch.testing.assert_close(tail, model(other)[:, keep:], rtol=0, atol=1e-10)
+
+
+def saved_bytes(layer, x):
+    """Bytes a training forward of `layer` keeps for its backward pass: each storage once, the
+    layer's own parameters left out."""
+    parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in parameters:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x).sum().backward()
+    return sum(storages.values())
+
+
+def assert_recomputation_changes_nothing(layer, x, module, monkeypatch):
+    """The training forward, whose attention `module` recomputes in the backward through its
+    `checkpoint`, gives the output and gradients, to the bit, of the same forward keeping
+    everything (random draws included: dropout, Gumbel noise)."""
+    results = []
+    for recompute in (True, False):
+        if not recompute:
+            monkeypatch.setattr(module, "checkpoint", lambda f, *args, use_reentrant: f(*args))
+        layer.zero_grad(set_to_none=True)
+        x_in = x.clone().requires_grad_()
+        torch.manual_seed(0)
+        out = layer(x_in)
+        out.square().sum().backward()
+        results.append([out.detach(), x_in.grad, *(p.grad for p in layer.parameters() if p.grad is not None)])
+    assert len(results[0]) == len(results[1]) > 2
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)

@@ -5,7 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient,
-                              assert_causal_by_perturbation, assert_truncated_cache_forgets)
+                                            assert_causal_by_perturbation, assert_recomputation_changes_nothing,
+                                            assert_truncated_cache_forgets, saved_bytes)
+from models.attention import routing as routing_module
+from models.attention.dense import DenseAttention
 from models.attention.routing import RoutingAttention
 from models.lm import routing_lm
 
@@ -185,3 +188,17 @@ def test_statistics_stay_fp32_when_an_engine_casts_the_model_to_half_precision()
     before = layer.centroids.clone()
     model.after_optimizer_step()
     assert layer.centroids.dtype == torch.bfloat16 and not torch.equal(layer.centroids, before)
+
+
+def test_training_keeps_no_more_than_dense_attention():
+    """The bucketed layout holds each key and value twice; it is recomputed in the backward, so a
+    training forward keeps no more than dense attention's (q, k, v and the output)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 512, 32)
+    assert saved_bytes(RoutingAttention(dim=32, heads=2, dim_head=16, window_size=16, num_clusters=4, n_local_attn_heads=1, dropout=0.1), x) <= saved_bytes(DenseAttention(dim=32, heads=2, dim_head=16), x)
+
+
+def test_recomputing_the_attention_changes_nothing(monkeypatch):
+    torch.manual_seed(0)
+    layer = RoutingAttention(dim=32, heads=2, dim_head=16, window_size=16, num_clusters=4, n_local_attn_heads=1, dropout=0.1).train()
+    assert_recomputation_changes_nothing(layer, torch.randn(2, 70, 32), routing_module, monkeypatch)

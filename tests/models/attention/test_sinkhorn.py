@@ -4,8 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient, logits_with_embedding,
-                              assert_causal_by_perturbation, assert_truncated_cache_forgets)
+from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient,
+                                            assert_causal_by_perturbation, assert_recomputation_changes_nothing,
+                                            assert_truncated_cache_forgets, logits_with_embedding, saved_bytes)
+from models.attention import sinkhorn as sinkhorn_module
+from models.attention.dense import DenseAttention
 from models.attention.sinkhorn import SinkhornAttention, sinkhorn
 from models.lm import sinkhorn_lm
 
@@ -113,3 +116,17 @@ def test_bucket_pairs_backward_equals_autograd_through_slices(local, with_sorted
     inputs = (grid,) if sorted_ is None else (grid, sorted_)
     for a, e in zip(torch.autograd.grad(ours, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
         torch.testing.assert_close(a, e)
+
+
+def test_training_keeps_no_more_than_dense_attention():
+    """The bucketed layout holds each key and value twice; it is recomputed in the backward, so a
+    training forward keeps no more than dense attention's (q, k, v and the output)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 512, 32)
+    assert saved_bytes(SinkhornAttention(dim=32, heads=2, dim_head=16, bucket_size=16, n_local_attn_heads=1, dropout=0.1), x) <= saved_bytes(DenseAttention(dim=32, heads=2, dim_head=16), x)
+
+
+def test_recomputing_the_attention_changes_nothing(monkeypatch):
+    torch.manual_seed(0)
+    layer = SinkhornAttention(dim=32, heads=2, dim_head=16, bucket_size=16, n_local_attn_heads=1, dropout=0.1).train()
+    assert_recomputation_changes_nothing(layer, torch.randn(2, 70, 32), sinkhorn_module, monkeypatch)
