@@ -88,9 +88,10 @@ class RoutingAttention(nn.Module):
         q, k = self.rotary(q, start), self.rotary(k, start)
         if cache is not None:
             k, v, key_clusters = kv_cache.append(cache, start, k=k, v=v, clusters=clusters[..., None])
-        if cache is None and torch.is_grad_enabled():
+        if cache is None and torch.is_grad_enabled() and not recomputing():
             # recomputed in the backward: the sorted layout keeps each chunk's keys and values twice
             # (next to its own and its successor's queries), more than dense attention keeps
+            # (a reversible layer's backward, which recomputes the whole block, keeps it briefly)
             out = checkpoint(self._attend_sorted, q, k, v, clusters, use_reentrant=False)
         elif cache is None or start == 0:
             out = self._attend_sorted(q, k, v, clusters)

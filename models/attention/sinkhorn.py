@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.attention import cache as kv_cache
 from models.attention.masked import masked_attention
+from models.reversible import recomputing
 from models.rotary import Rotary
 
 _MASKED = -1e9  # finite, so fully masked rows keep finite gradients
@@ -78,9 +79,10 @@ class SinkhornAttention(nn.Module):
         (q, k), v = self.rotary(qkv[:2], start), qkv[2]
         if cache is not None:
             x, k, v = kv_cache.append(cache, start, x=x, k=k, v=v)
-        if cache is None and torch.is_grad_enabled():
+        if cache is None and torch.is_grad_enabled() and not recomputing():
             # recomputed in the backward: the bucketed layout keeps each bucket's keys and values
             # twice (next to its own and as another's extra bucket), more than dense attention keeps
+            # (a reversible layer's backward, which recomputes the whole block, keeps it briefly)
             out = checkpoint(self._attend, x, q, k, v, start, use_reentrant=False)
         else:
             out = self._attend(x, q, k, v, start)

@@ -4,6 +4,7 @@ coupling, memory stays flat in depth, and side effects run once."""
 import pytest
 import torch
 
+from models.attention import routing, sinkhorn
 from models.lm import routing_lm, sinkhorn_lm, transformer_lm
 
 KNOBS = dict(num_tokens=32, dim=32, heads=2, dim_head=16)
@@ -82,6 +83,19 @@ def test_routing_statistics_are_gathered_once_despite_recomputation():
     model = MODELS["routing"](2, reversible=True, n_local_attn_heads=0).train()
     model(torch.randint(0, 32, (2, 10))).sum().backward()
     assert all(block.attn._counts.sum() == 2 * 10 * 2 for block in model.blocks)  # batch * seq * heads
+
+
+@pytest.mark.parametrize("name", ["sinkhorn", "routing"])
+def test_bucketed_attention_is_not_checkpointed_inside_a_reversible_block(name, monkeypatch):
+    """A reversible block is recomputed whole in the backward and its activations freed at once:
+    a checkpoint of its attention would compute that attention a third time for nothing."""
+    calls = []
+    monkeypatch.setattr({"sinkhorn": sinkhorn, "routing": routing}[name], "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
+    tokens = torch.randint(0, 32, (2, 12))
+    MODELS[name](2, reversible=True).train()(tokens).sum().backward()
+    assert not calls
+    MODELS[name](2).train()(tokens).sum().backward()
+    assert len(calls) == 2  # one per layer, where the layers are not reversible
 
 
 def test_inference_equals_the_training_forward():
