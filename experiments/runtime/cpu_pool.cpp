@@ -135,7 +135,7 @@ struct Pool final : c10::Allocator {
   }
 
   // unmap every kept block and start the peak afresh (a sweep's next job, or the pool switched off)
-  void release(bool stay_on) {
+  void unmap_kept(bool stay_on) {
     std::lock_guard<std::mutex> lock(mutex);
     while (!kept.empty()) drop(kept.begin());
     peak_live = live;
@@ -161,18 +161,18 @@ extern "C" int pool_install(int64_t threshold) {
     Pool::instance = new Pool(heap, static_cast<size_t>(threshold));
     c10::SetCPUAllocator(Pool::instance, /*priority=*/UINT8_MAX);
   }
-  Pool::instance->release(/*stay_on=*/true);
+  Pool::instance->unmap_kept(/*stay_on=*/true);
   return 0;
 }
 
 // Blocks allocated from now on come from the heap; pooled blocks are unmapped as they are freed.
 extern "C" void pool_switch_off() {
-  if (Pool::instance != nullptr) Pool::instance->release(/*stay_on=*/false);
+  if (Pool::instance != nullptr) Pool::instance->unmap_kept(/*stay_on=*/false);
 }
 
 // Unmaps the kept blocks and starts the peak afresh (the pool stays on).
 extern "C" void pool_release() {
-  if (Pool::instance != nullptr) Pool::instance->release(/*stay_on=*/true);
+  if (Pool::instance != nullptr) Pool::instance->unmap_kept(/*stay_on=*/true);
 }
 
 // [live, kept, most ever live] bytes and [maps, reuses, unmaps] counts, for tests and benchmarks.

@@ -118,15 +118,19 @@ def test_bucket_pairs_backward_equals_autograd_through_slices(local, with_sorted
         torch.testing.assert_close(a, e)
 
 
+
+def layer_with_both_kinds_of_head():
+    torch.manual_seed(0)
+    return SinkhornAttention(dim=32, heads=2, dim_head=16, bucket_size=16, n_local_attn_heads=1, dropout=0.1)
+
+
 def test_training_keeps_no_more_than_dense_attention():
     """The bucketed layout holds each key and value twice; it is recomputed in the backward, so a
     training forward keeps no more than dense attention's (q, k, v and the output)."""
-    torch.manual_seed(0)
     x = torch.randn(1, 512, 32)
-    assert saved_bytes(SinkhornAttention(dim=32, heads=2, dim_head=16, bucket_size=16, n_local_attn_heads=1, dropout=0.1), x) <= saved_bytes(DenseAttention(dim=32, heads=2, dim_head=16), x)
+    assert saved_bytes(layer_with_both_kinds_of_head(), x) <= saved_bytes(DenseAttention(dim=32, heads=2, dim_head=16), x)
 
 
 def test_recomputing_the_attention_changes_nothing(monkeypatch):
-    torch.manual_seed(0)
-    layer = SinkhornAttention(dim=32, heads=2, dim_head=16, bucket_size=16, n_local_attn_heads=1, dropout=0.1).train()
+    layer = layer_with_both_kinds_of_head().train()
     assert_recomputation_changes_nothing(layer, torch.randn(2, 70, 32), sinkhorn_module, monkeypatch)
