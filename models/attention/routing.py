@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from models.attention import cache as kv_cache
-from models.attention.masked import masked_attention
+from models.attention.masked import bucket_pair_attention
 from models.reversible import recomputing
 from models.rotary import Rotary
 
@@ -151,23 +151,20 @@ class RoutingAttention(nn.Module):
         positions = torch.arange(n, device=q.device)
         order = (clusters * n + positions).argsort(dim=-1)  # by cluster, then position
         chunks = -(-n // w)
-        # each token's slot in the sorted sequence, after one leading chunk (chunk -1: zeros in
-        # cluster -2, never matched) and before the padding to whole chunks (cluster -1, its own)
-        slots = order.argsort(dim=-1) + w
-        total = (chunks + 1) * w
-        qs, ks, vs = (t.new_zeros(b, h, total, d).scatter(2, slots[..., None].expand(-1, -1, -1, d), t) for t in (q, k, v))
-        ids = clusters.new_full((b, h, total), -1)
-        ids[:, :, :w] = -2
-        ids.scatter_(2, slots, clusters)
-        # chunk c's queries against chunks c - 1 and c
-        q_grid, k_grid, v_grid, id_grid = (t.unflatten(2, (chunks + 1, w)) for t in (qs, ks, vs, ids))
-        queries, query_ids = q_grid[:, :, 1:], id_grid[:, :, 1:]
-        keys, values, key_ids = (torch.cat((t[:, :, :-1], t[:, :, 1:]), dim=3) for t in (k_grid, v_grid, id_grid))
+        # each token's slot in the sorted sequence, before the padding to whole chunks (cluster -1,
+        # its own)
+        slots = order.argsort(dim=-1)
+        qs, ks, vs = (t.new_zeros(b, h, chunks * w, d).scatter(2, slots[..., None].expand(-1, -1, -1, d), t)
+                      for t in (q, k, v))
+        ids = clusters.new_full((b, h, chunks * w), -1).scatter_(2, slots, clusters)
+        # chunk c's queries against chunks c - 1 and c (chunk -1: zeros in cluster -2, never matched)
+        q_grid, k_grid, v_grid, query_ids = (t.unflatten(2, (chunks, w)) for t in (qs, ks, vs, ids))
+        key_ids = torch.cat((F.pad(query_ids[:, :, :-1], (0, 0, 1, 0), value=-2), query_ids), dim=3)
         distance = torch.arange(w, device=q.device)[:, None] + w - torch.arange(2 * w, device=q.device)
         in_window = (distance >= 0) & (distance < w)  # query index - key index, in sorted order
         mask = (query_ids[..., :, None] == key_ids[..., None, :]) & in_window
         keep = self._dropout_keep(order, distance.clamp(0, w - 1), chunks) if self.training and self.dropout else None
-        out = masked_attention(queries, keys, values, mask, keep, self.dropout).flatten(2, 3)[:, :, :n]
+        out = bucket_pair_attention(q_grid, k_grid, v_grid, mask, keep, self.dropout).flatten(2, 3)[:, :, :n]
         return torch.empty_like(out).scatter_(2, order[..., None].expand(-1, -1, -1, d), out)  # back in order
 
     def _dropout_keep(self, order: Tensor, distance: Tensor, chunks: int) -> Tensor:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from models.attention import cache as kv_cache
-from models.attention.masked import masked_attention
+from models.attention.masked import bucket_pair_attention
 from models.reversible import recomputing
 from models.rotary import Rotary
 
@@ -97,26 +97,26 @@ class SinkhornAttention(nn.Module):
         first, last = start // B, (end - 1) // B  # the query buckets touched
         count = last - first + 1
         offset = start - first * B
-        # queries on the bucket grid; keys and values from the bucket before the first to the last
-        # (zero padding is masked or dropped)
+        # queries on the bucket grid, with the key and value buckets they own (views, unless the
+        # ends need padding) and the bucket before the first, if there is one (zero padding is
+        # masked or dropped)
         queries = _grid(q, offset, count * B - offset - n).unflatten(2, (count, B))
-        lo = (first - 1) * B
-        k_grid, v_grid = (_grid(t[:, :, max(lo, 0) :], max(0, -lo), (last + 1) * B - end).unflatten(2, (count + 1, B))
-                          for t in (k, v))  # [b, h, count + 1, B, d]: bucket first - 1 .. last
+        own_k, own_v = (_grid(t[:, :, first * B :] if first else t, 0, (last + 1) * B - end).unflatten(2, (count, B))
+                        for t in (k, v))
+        first_k, first_v = (t[:, :, (first - 1) * B : first * B] if first else None for t in (k, v))
         has_earlier = torch.arange(first, last + 1, device=q.device) > 0  # bucket 0 has no extra bucket
         own = torch.ones(B, B, dtype=torch.bool, device=q.device).tril()
         mask = torch.cat((has_earlier[:, None, None].expand(count, B, B), own.expand(count, B, B)), dim=2)
         keep = None
         if self.training and self.dropout:  # drawn on the bucket grid: indexed by position alone
             keep = torch.rand(*queries.shape[:-1], 2 * B, device=q.device) >= self.dropout
-        # keys and values per query bucket: [extra bucket, own bucket], where the extra bucket is
-        # the previous one for local heads and the sorted one for Sinkhorn heads
+        # each query bucket's extra bucket: the previous one for local heads, the sorted one for
+        # Sinkhorn heads
         sorted_k = sorted_v = None
         if self.sort_heads:
             sorted_k, sorted_v = self._sorted_buckets(x, k, v, first, last)
-        keys = _BucketPairs.apply(k_grid, sorted_k, self.local_heads)
-        values = _BucketPairs.apply(v_grid, sorted_v, self.local_heads)
-        out = masked_attention(queries, keys, values, mask, keep, self.dropout)
+        out = bucket_pair_attention(queries, own_k, own_v, mask, keep, self.dropout, earlier_k=sorted_k,
+                                    earlier_v=sorted_v, first_k=first_k, first_v=first_v)
         return out.flatten(2, 3)[:, :, offset : offset + n]
 
     def _sorted_buckets(self, x: Tensor, k: Tensor, v: Tensor, first: int, last: int) -> tuple[Tensor, Tensor]:
@@ -161,31 +161,6 @@ def sinkhorn(scores: Tensor, iterations: int, temperature: float, noise: bool = 
         logits = (logits - logits.logcumsumexp(dim=-2)).masked_fill(~allowed, _MASKED)
         logits = (logits - logits.logsumexp(dim=-1, keepdim=True)).masked_fill(~allowed, _MASKED)
     return logits.exp().masked_fill(~allowed, 0.0)
-
-
-class _BucketPairs(torch.autograd.Function):
-    """grid [b, h, count + 1, B, d] (bucket first - 1 .. last), sorted [b, h - local, count, B, d]
-    or None -> [b, h, count, 2B, d]: each bucket's extra bucket (the previous one for the first
-    `local` heads, the sorted one for the rest), then the bucket itself.
-
-    The same as torch.cat of slices of the grid, with a backward that writes the grid's gradient
-    once: autograd would give every slice its own zero-filled copy of the grid."""
-
-    @staticmethod
-    def forward(ctx, grid: Tensor, sorted_: Optional[Tensor], local: int) -> Tensor:
-        ctx.local, ctx.has_sorted = local, sorted_ is not None
-        extra = grid[:, :local, :-1] if sorted_ is None else torch.cat((grid[:, :local, :-1], sorted_), dim=1)
-        return torch.cat((extra, grid[:, :, 1:]), dim=3)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        B, local = grad.shape[3] // 2, ctx.local
-        grad_extra, grad_own = grad[:, :, :, :B], grad[:, :, :, B:]
-        b, h, count, _, d = grad.shape
-        grad_grid = grad.new_zeros(b, h, count + 1, B, d)
-        grad_grid[:, :, 1:] = grad_own
-        grad_grid[:, :local, :-1] += grad_extra[:, :local]
-        return grad_grid, grad_extra[:, local:] if ctx.has_sorted else None, None
 
 
 def _grid(t: Tensor, before: int, after: int) -> Tensor:

@@ -101,24 +101,6 @@ def test_bad_knobs_are_refused_with_the_key(bad, message):
         tiny_sinkhorn(**bad)
 
 
-@pytest.mark.parametrize("local, with_sorted", [(0, True), (1, True), (2, False)], ids=["sorted", "mixed", "local"])
-def test_bucket_pairs_backward_equals_autograd_through_slices(local, with_sorted):
-    from models.attention.sinkhorn import _BucketPairs
-
-    torch.manual_seed(0)
-    grid = torch.randn(2, 2, 4, 3, 5, dtype=torch.double, requires_grad=True)  # [b, h, count + 1, B, d]
-    sorted_ = torch.randn(2, 2 - local, 3, 3, 5, dtype=torch.double, requires_grad=True) if with_sorted else None
-    grad = torch.randn(2, 2, 3, 6, 5, dtype=torch.double)
-    ours = _BucketPairs.apply(grid, sorted_, local)
-    extra = grid[:, :local, :-1] if sorted_ is None else torch.cat((grid[:, :local, :-1], sorted_), dim=1)
-    expected = torch.cat((extra, grid[:, :, 1:]), dim=3)
-    assert torch.equal(ours, expected)
-    inputs = (grid,) if sorted_ is None else (grid, sorted_)
-    for a, e in zip(torch.autograd.grad(ours, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
-        torch.testing.assert_close(a, e)
-
-
-
 def layer_with_both_kinds_of_head():
     torch.manual_seed(0)
     return SinkhornAttention(dim=32, heads=2, dim_head=16, bucket_size=16, n_local_attn_heads=1, dropout=0.1)
