@@ -31,7 +31,10 @@ class DenseAttention(nn.Module):
         """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds the past keys and values."""
         qkv = rearrange(self.to_qkv(x), "b n (s h d) -> s b h n d", s=3, h=self.heads)
         start = 0 if cache is None else cache.get("pos", 0)
-        (q, k), v = (qkv[:2] if self.rotary is None else self.rotary(qkv[:2], start)), qkv[2]
+        if self.rotary is None:
+            q, k, v = qkv
+        else:  # v copied out: a view would keep the whole projection alive beside the rotated q, k
+            (q, k), v = self.rotary(qkv[:2], start), qkv[2].contiguous()
         if cache is not None:
             k, v = kv_cache.append(cache, start, k=k, v=v)
         dropout = self.dropout if self.training else 0.0
