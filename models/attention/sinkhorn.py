@@ -74,21 +74,26 @@ class SinkhornAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds past inputs, keys, values."""
+        if cache is None and torch.is_grad_enabled() and not recomputing():
+            # recomputed in the backward from x, which the projection keeps anyway: q, k, v and the
+            # bucketed layout, which holds each bucket's keys and values twice (next to its own and
+            # as another's extra bucket), would be kept beside it, more than dense attention keeps
+            # (a reversible layer's backward, which recomputes the whole block, keeps it briefly)
+            out = checkpoint(self._project_and_attend, x, use_reentrant=False)
+        else:
+            out = self._project_and_attend(x, cache)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+    truncate_cache = staticmethod(kv_cache.truncate)
+
+    def _project_and_attend(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
+        """x [b, n, dim] -> the heads' outputs [b, h, n, d]."""
         start = 0 if cache is None else cache.get("pos", 0)
         qkv = rearrange(self.to_qkv(x), "b n (s h d) -> s b h n d", s=3, h=self.heads)
         (q, k), v = self.rotary(qkv[:2], start), qkv[2]
         if cache is not None:
             x, k, v = kv_cache.append(cache, start, x=x, k=k, v=v)
-        if cache is None and torch.is_grad_enabled() and not recomputing():
-            # recomputed in the backward: the bucketed layout keeps each bucket's keys and values
-            # twice (next to its own and as another's extra bucket), more than dense attention keeps
-            # (a reversible layer's backward, which recomputes the whole block, keeps it briefly)
-            out = checkpoint(self._attend, x, q, k, v, start, use_reentrant=False)
-        else:
-            out = self._attend(x, q, k, v, start)
-        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
-
-    truncate_cache = staticmethod(kv_cache.truncate)
+        return self._attend(x, q, k, v, start)
 
     def _attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """Queries q [b, h, n, d] at positions [start, start + n); x [b, end, dim] and
