@@ -81,25 +81,37 @@ class RoutingAttention(nn.Module):
         start = 0 if cache is None else cache.get("pos", 0)
         q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
         v = rearrange(self.to_v(x), "b n (h d) -> b h n d", h=self.heads)
+        local_k = None if self.to_local_k is None else rearrange(self.to_local_k(x), "b n (h d) -> b h n d",
+                                                                    h=self.local_heads)
         clusters = self._route(q[:, self.local_heads :])
-        k = q[:, self.local_heads :]
-        if self.to_local_k is not None:
-            k = torch.cat((rearrange(self.to_local_k(x), "b n (h d) -> b h n d", h=self.local_heads), k), dim=1)
-        q, k = self.rotary(q, start), self.rotary(k, start)
-        if cache is not None:
-            k, v, key_clusters = kv_cache.append(cache, start, k=k, v=v, clusters=clusters[..., None])
         if cache is None and torch.is_grad_enabled() and not recomputing():
-            # recomputed in the backward: the sorted layout keeps each chunk's keys and values twice
-            # (next to its own and its successor's queries), more than dense attention keeps
+            # recomputed in the backward from the projections: the rotated queries and keys, and
+            # the sorted layout that keeps each chunk's keys and values twice (next to its own and
+            # its successor's queries), would be kept beside them, more than dense attention keeps
             # (a reversible layer's backward, which recomputes the whole block, keeps it briefly)
-            out = checkpoint(self._attend_sorted, q, k, v, clusters, use_reentrant=False)
-        elif cache is None or start == 0:
-            out = self._attend_sorted(q, k, v, clusters)
+            out = checkpoint(self._attend_projections, q, local_k, v, clusters, use_reentrant=False)
+        elif cache is None:
+            out = self._attend_projections(q, local_k, v, clusters)
         else:
-            out = self._attend_cached(q, k, v, clusters, key_clusters[..., 0], start)
+            q, k = self.rotary(q, start), self.rotary(self._keys(q, local_k), start)
+            k, v, key_clusters = kv_cache.append(cache, start, k=k, v=v, clusters=clusters[..., None])
+            if start == 0:
+                out = self._attend_sorted(q, k, v, clusters)
+            else:
+                out = self._attend_cached(q, k, v, clusters, key_clusters[..., 0], start)
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
     truncate_cache = staticmethod(kv_cache.truncate)
+
+    def _keys(self, q: Tensor, local_k: Optional[Tensor]) -> Tensor:
+        """Keys [b, h, n, d]: the local heads' own, then the routing heads' queries."""
+        routed = q[:, self.local_heads :]
+        return routed if local_k is None else torch.cat((local_k, routed), dim=1)
+
+    def _attend_projections(self, q: Tensor, local_k: Optional[Tensor], v: Tensor, clusters: Tensor) -> Tensor:
+        """All positions from 0, from the unrotated projections q, v [b, h, n, d] and local_k
+        [b, local heads, n, d] (None without local heads)."""
+        return self._attend_sorted(self.rotary(q, 0), self.rotary(self._keys(q, local_k), 0), v, clusters)
 
     def _route(self, vectors: Tensor) -> Tensor:
         """Cluster of every token [b, heads, n] (local heads: all 0). While training, also gather
@@ -109,17 +121,28 @@ class RoutingAttention(nn.Module):
         if not self.route_heads:
             self.aux_loss = None
             return local
-        unit = F.normalize(vectors.float(), dim=-1)
-        centroids = self.centroids.float()
-        nearest = torch.einsum("bhnd,hcd->bhnc", unit.detach(), centroids).argmax(dim=-1)
+        with torch.no_grad():
+            unit = F.normalize(vectors.float(), dim=-1)
+            nearest = torch.einsum("bhnd,hcd->bhnc", unit, self.centroids.float()).argmax(dim=-1)
         if self.training:
-            chosen = centroids[torch.arange(self.route_heads, device=unit.device)[:, None], nearest]  # [b, h, n, d]
-            self.aux_loss = self.commitment_weight * (unit - chosen).square().sum(-1).mean()
+            if torch.is_grad_enabled() and not recomputing():
+                # recomputed in the backward from the vectors (kept for the attention anyway): its unit
+                # vectors and differences would be kept beside them
+                self.aux_loss = checkpoint(self._commitment_loss, vectors, nearest, use_reentrant=False)
+            else:
+                self.aux_loss = self._commitment_loss(vectors, nearest)
             if not recomputing():  # a reversible backward pass runs this forward a second time
-                self._gather(unit.detach(), nearest)
+                self._gather(unit, nearest)
         else:
             self.aux_loss = None
         return torch.cat((local, nearest), dim=1)
+
+    def _commitment_loss(self, vectors: Tensor, nearest: Tensor) -> Tensor:
+        """weight * mean ||unit(vector) - its centroid||^2; vectors [b, h, n, d], nearest [b, h, n]."""
+        unit = F.normalize(vectors.float(), dim=-1)
+        centroids = self.centroids.float()
+        chosen = centroids[torch.arange(self.route_heads, device=unit.device)[:, None], nearest]  # [b, h, n, d]
+        return self.commitment_weight * (unit - chosen).square().sum(-1).mean()
 
     @torch.no_grad()
     def _gather(self, unit: Tensor, nearest: Tensor) -> None:

@@ -88,7 +88,7 @@ def saved_bytes(layer, x):
 def assert_recomputation_changes_nothing(layer, x, module, monkeypatch):
     """The training forward, whose attention `module` recomputes in the backward through its
     `checkpoint`, gives the output and gradients, to the bit, of the same forward keeping
-    everything (random draws included: dropout, Gumbel noise)."""
+    everything (random draws included: dropout, Gumbel noise; a layer's aux_loss included)."""
     results = []
     for recompute in (True, False):
         if not recompute:
@@ -97,7 +97,10 @@ def assert_recomputation_changes_nothing(layer, x, module, monkeypatch):
         x_in = x.clone().requires_grad_()
         torch.manual_seed(0)
         out = layer(x_in)
-        out.square().sum().backward()
+        loss = out.square().sum()
+        if getattr(layer, "aux_loss", None) is not None:
+            loss = loss + layer.aux_loss
+        loss.backward()
         results.append([out.detach(), x_in.grad, *(p.grad for p in layer.parameters() if p.grad is not None)])
     assert len(results[0]) == len(results[1]) > 2
     for got, expected in zip(*results):

@@ -198,8 +198,9 @@ def layer_with_both_kinds_of_head():
 
 
 def test_training_keeps_no_more_than_dense_attention():
-    """The bucketed layout holds each key and value twice; it is recomputed in the backward, so a
-    training forward keeps no more than dense attention's (q, k, v and the output)."""
+    """The rotated queries and keys, the sorted layout (each key and value held twice) and the
+    commitment loss's unit vectors are recomputed in the backward from the projections, so a
+    training forward keeps no more than dense attention's (its input, q, k, v and the output)."""
     x = torch.randn(1, 512, 32)
     assert saved_bytes(layer_with_both_kinds_of_head(), x) <= saved_bytes(DenseAttention(dim=32, heads=2, dim_head=16), x)
 
