@@ -16,9 +16,10 @@ from torch import Tensor
 
 from kernels import at_least_fp32
 
-# the scores of one chunk of buckets: a few MB, so a chunk's temporaries stay small beside the
-# layer's q, k, v, while each matrix product still covers many buckets
-_CHUNK_SCORES = 1 << 19
+# the scores of one chunk of buckets (1 MB in fp32): a chunk's temporaries stay small beside the
+# layer's q, k, v (at 1k tokens a larger chunk's lifted the backward's peak above dense attention's),
+# while each matrix product still covers many buckets (8 of 64 at the bench size)
+_CHUNK_SCORES = 1 << 18
 
 
 def bucket_pair_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, keep: Optional[Tensor] = None,
