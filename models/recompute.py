@@ -1,16 +1,31 @@
-"""Projections recomputed in the backward pass instead of kept for it: checkpointing for one matmul.
+"""Activations recomputed in the backward pass instead of kept for it.
 
-An attention's query and key/value projections are saved for the backward by whatever reads them
+`recomputed(fn, *args)` is a checkpoint of fn where it pays: only when a backward will run, and not
+while a reversible stack recomputes the block (models/reversible.py), whose backward frees the
+block's activations at once, so a checkpoint inside it would compute fn a third time for nothing.
+
+`RecomputedProjections` is checkpointing for one matmul. An attention's query and key/value projections are saved for the backward by whatever reads them
 (kernels keep their inputs), and at long context they are a large part of what a layer keeps.
 Their input is kept anyway (the projection's own weight gradient needs it), so recomputing them
 costs one matmul each in the backward and frees them between forward and backward.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from models.reversible import recomputing
+
+
+def recomputed(fn: Callable, *args):
+    """fn(*args); while autograd records for a backward (outside a reversible block's
+    recomputation), what fn would keep for it is recomputed from args in the backward instead."""
+    if torch.is_grad_enabled() and not recomputing():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 class RecomputedProjections:

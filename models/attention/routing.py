@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from models.attention import cache as kv_cache
 from models.attention.masked import bucket_pair_attention
+from models.recompute import recomputed
 from models.reversible import recomputing
 from models.rotary import Rotary
 
@@ -84,14 +84,11 @@ class RoutingAttention(nn.Module):
         local_k = None if self.to_local_k is None else rearrange(self.to_local_k(x), "b n (h d) -> b h n d",
                                                                     h=self.local_heads)
         clusters = self._route(q[:, self.local_heads :])
-        if cache is None and torch.is_grad_enabled() and not recomputing():
+        if cache is None:
             # recomputed in the backward from the projections: the rotated queries and keys, and
             # the sorted layout that keeps each chunk's keys and values twice (next to its own and
             # its successor's queries), would be kept beside them, more than dense attention keeps
-            # (a reversible layer's backward, which recomputes the whole block, keeps it briefly)
-            out = checkpoint(self._attend_projections, q, local_k, v, clusters, use_reentrant=False)
-        elif cache is None:
-            out = self._attend_projections(q, local_k, v, clusters)
+            out = recomputed(self._attend_projections, q, local_k, v, clusters)
         else:
             q, k = self.rotary(q, start), self.rotary(self._keys(q, local_k), start)
             k, v, key_clusters = kv_cache.append(cache, start, k=k, v=v, clusters=clusters[..., None])
@@ -125,12 +122,9 @@ class RoutingAttention(nn.Module):
             unit = F.normalize(vectors.float(), dim=-1)
             nearest = torch.einsum("bhnd,hcd->bhnc", unit, self.centroids.float()).argmax(dim=-1)
         if self.training:
-            if torch.is_grad_enabled() and not recomputing():
-                # recomputed in the backward from the vectors (kept for the attention anyway): its unit
-                # vectors and differences would be kept beside them
-                self.aux_loss = checkpoint(self._commitment_loss, vectors, nearest, use_reentrant=False)
-            else:
-                self.aux_loss = self._commitment_loss(vectors, nearest)
+            # recomputed in the backward from the vectors (kept for the attention anyway): its unit
+            # vectors and differences would be kept beside them
+            self.aux_loss = recomputed(self._commitment_loss, vectors, nearest)
             if not recomputing():  # a reversible backward pass runs this forward a second time
                 self._gather(unit, nearest)
         else:

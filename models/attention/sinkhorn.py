@@ -31,11 +31,10 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from models.attention import cache as kv_cache
 from models.attention.masked import bucket_pair_attention
-from models.reversible import recomputing
+from models.recompute import recomputed
 from models.rotary import Rotary
 
 _MASKED = -1e9  # finite, so fully masked rows keep finite gradients
@@ -74,12 +73,11 @@ class SinkhornAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds past inputs, keys, values."""
-        if cache is None and torch.is_grad_enabled() and not recomputing():
+        if cache is None:
             # recomputed in the backward from x, which the projection keeps anyway: q, k, v and the
             # bucketed layout, which holds each bucket's keys and values twice (next to its own and
             # as another's extra bucket), would be kept beside it, more than dense attention keeps
-            # (a reversible layer's backward, which recomputes the whole block, keeps it briefly)
-            out = checkpoint(self._project_and_attend, x, use_reentrant=False)
+            out = recomputed(self._project_and_attend, x)
         else:
             out = self._project_and_attend(x, cache)
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))

@@ -3,6 +3,8 @@ gradient, in train and eval mode) and cached decoding equal to the parallel forw
 
 import torch
 
+from models import recompute
+
 
 def logits_with_embedding(model, tokens):
     """logits [b, n, vocab] and the embedding output they were computed from (grad-enabled)."""
@@ -85,14 +87,14 @@ def saved_bytes(layer, x):
     return sum(storages.values())
 
 
-def assert_recomputation_changes_nothing(layer, x, module, monkeypatch):
-    """The training forward, whose attention `module` recomputes in the backward through its
-    `checkpoint`, gives the output and gradients, to the bit, of the same forward keeping
+def assert_recomputation_changes_nothing(layer, x, monkeypatch):
+    """The training forward, whose attention is recomputed in the backward (models.recompute's
+    `recomputed`), gives the output and gradients, to the bit, of the same forward keeping
     everything (random draws included: dropout, Gumbel noise; a layer's aux_loss included)."""
     results = []
-    for recompute in (True, False):
-        if not recompute:
-            monkeypatch.setattr(module, "checkpoint", lambda f, *args, use_reentrant: f(*args))
+    for recomputing in (True, False):
+        if not recomputing:
+            monkeypatch.setattr(recompute, "checkpoint", lambda f, *args, use_reentrant: f(*args))
         layer.zero_grad(set_to_none=True)
         x_in = x.clone().requires_grad_()
         torch.manual_seed(0)

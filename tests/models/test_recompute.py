@@ -1,4 +1,5 @@
-"""RecomputedProjections: the gradients of saving, without keeping the projection, recomputed once."""
+"""recomputed: a checkpoint only where a backward will use it. RecomputedProjections: the gradients
+of saving, without keeping the projection, recomputed once."""
 
 import torch
 import torch.nn.functional as F
@@ -6,7 +7,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models import recompute
-from models.recompute import RecomputedProjections
+from models.recompute import RecomputedProjections, recomputed
+from models.reversible import _recomputation
 
 
 class Square(torch.autograd.Function):
@@ -104,3 +106,41 @@ def test_the_recomputation_has_the_forwards_dtype_under_autocast():
         results.append((x.grad, proj.weight.grad))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+
+
+def _tanh_chain(x):
+    return torch.tanh(torch.tanh(x) * 2)
+
+
+def _saved_storages(run):
+    storages = set()
+
+    def pack(t):
+        storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return storages
+
+
+def test_recomputed_keeps_only_its_inputs_and_gives_the_same_gradients():
+    x = torch.randn(4, 8, requires_grad=True)
+    kept = _saved_storages(lambda: recomputed(_tanh_chain, x).sum().backward())
+    grad, x.grad = x.grad, None
+    plain = _saved_storages(lambda: _tanh_chain(x).sum().backward())
+    assert kept == {x.untyped_storage().data_ptr()} and len(plain) > 1
+    torch.testing.assert_close(grad, x.grad, rtol=0, atol=0)
+
+
+def test_recomputed_is_a_plain_call_without_a_backward_or_inside_a_reversible_recomputation(monkeypatch):
+    calls = []
+    monkeypatch.setattr(recompute, "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
+    x = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        recomputed(_tanh_chain, x)
+    with _recomputation():
+        recomputed(_tanh_chain, x)
+    assert not calls
+    recomputed(_tanh_chain, x)
+    assert calls == [_tanh_chain]

@@ -4,7 +4,7 @@ coupling, memory stays flat in depth, and side effects run once."""
 import pytest
 import torch
 
-from models.attention import routing, sinkhorn
+from models import recompute
 from models.lm import routing_lm, sinkhorn_lm, transformer_lm
 
 KNOBS = dict(num_tokens=32, dim=32, heads=2, dim_head=16)
@@ -90,7 +90,7 @@ def test_bucketed_attention_is_not_checkpointed_inside_a_reversible_block(name, 
     """A reversible block is recomputed whole in the backward and its activations freed at once:
     a checkpoint of its attention would compute that attention a third time for nothing."""
     calls = []
-    monkeypatch.setattr({"sinkhorn": sinkhorn, "routing": routing}[name], "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
+    monkeypatch.setattr(recompute, "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
     tokens = torch.randint(0, 32, (2, 12))
     MODELS[name](2, reversible=True).train()(tokens).sum().backward()
     assert not calls

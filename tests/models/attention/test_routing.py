@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient,
                                             assert_causal_by_perturbation, assert_recomputation_changes_nothing,
                                             assert_truncated_cache_forgets, saved_bytes)
-from models.attention import routing as routing_module
 from models.attention.dense import DenseAttention
 from models.attention.routing import RoutingAttention
 from models.lm import routing_lm
@@ -207,4 +206,4 @@ def test_training_keeps_no_more_than_dense_attention():
 
 def test_recomputing_the_attention_changes_nothing(monkeypatch):
     layer = layer_with_both_kinds_of_head().train()
-    assert_recomputation_changes_nothing(layer, torch.randn(2, 70, 32), routing_module, monkeypatch)
+    assert_recomputation_changes_nothing(layer, torch.randn(2, 70, 32), monkeypatch)
