@@ -4,10 +4,15 @@
 while a reversible stack recomputes the block (models/reversible.py), whose backward frees the
 block's activations at once, so a checkpoint inside it would compute fn a third time for nothing.
 
-`RecomputedProjections` is checkpointing for one matmul. An attention's query and key/value projections are saved for the backward by whatever reads them
-(kernels keep their inputs), and at long context they are a large part of what a layer keeps.
-Their input is kept anyway (the projection's own weight gradient needs it), so recomputing them
-costs one matmul each in the backward and frees them between forward and backward.
+`RecomputedLayers` is checkpointing for one cheap layer of one input. Whatever reads a layer's
+output may save it for the backward (a projection's weight gradient, a kernel, its input), while
+the layer's own input is kept anyway (a LayerNorm's backward, a projection's weight gradient,
+both need theirs). Recomputing the output from that input costs one pass of the layer in the
+backward and frees the output between forward and backward:
+- a block's LayerNorm outputs, saved by the attention's projections and the feed-forward's first
+  layer: two [batch, seq, dim] per block (models/transformer.py);
+- NSA's query and key/value projections, saved by its CPU kernels (models/attention/nsa.py).
+They nest: an inner layer's input that an outer one recomputes is recomputed too, when needed.
 """
 
 from typing import Callable, Optional
@@ -28,32 +33,35 @@ def recomputed(fn: Callable, *args):
     return fn(*args)
 
 
-class RecomputedProjections:
-    """While open, any tensor autograd saves that is a view of a projection made by `linear` is
-    saved as (projection, the view's size, stride and offset). The backward recomputes each
-    projection once, from its input and weight, for all of its views, and drops it when the last
-    of them has been read back. Other tensors go to the hooks that were open before (an outer
+class RecomputedLayers:
+    """While open, any tensor autograd saves that is a view of an output made by `apply` is saved
+    as (its layer and input, the view's size, stride and offset). The backward recomputes each
+    output once, from its input and the layer's weights, for all of its views, and drops it when
+    the last of them has been read back. Other tensors go to the hooks that were open before (an outer
     checkpoint's, a memory count's), or are saved as usual. Closed (or `enabled=False`), nothing
     changes.
 
-    The recomputation uses the weight as it is in the backward, so the weight must not change in
+    The recomputation uses the weights as they are in the backward, so they must not change in
     place between forward and backward (an optimizer step never falls between them); parameters a
     sharded backend gathers on demand (ZeRO-3's) are left to be saved as usual."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._sources: dict[int, _Projection] = {}  # storage address -> its projection
+        self._sources: dict[int, _Recipe] = {}  # storage address -> the recipe of its output
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self._outer = None
 
-    def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
-        """layer(x), whose saved views are recomputed in the backward while this is open."""
+    def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
+        """layer(x) (a module of one input, deterministic), whose saved views are recomputed in the
+        backward while this is open."""
         y = layer(x)
-        if self.enabled and y.requires_grad and not hasattr(layer.weight, "ds_id"):
-            self._sources[y.untyped_storage().data_ptr()] = _Projection(x, layer, y.dtype)
+        if self.enabled and y.requires_grad and not any(hasattr(p, "ds_id") for p in layer.parameters()):
+            # x goes through the hooks open around these: an outer recomputation may own it too
+            x = x if self._outer is None else _Outer(self._outer, x)
+            self._sources[y.untyped_storage().data_ptr()] = _Recipe(x, layer, y.dtype)
         return y
 
-    def __enter__(self) -> "RecomputedProjections":
+    def __enter__(self) -> "RecomputedLayers":
         if self.enabled:
             self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # (pack, unpack) or None
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -64,7 +72,7 @@ class RecomputedProjections:
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks = None
-        self._sources.clear()  # the packed views hold their projections; nothing else should
+        self._sources.clear()  # the packed views hold their recipes; nothing else should
 
     def _pack(self, t: Tensor):
         source = self._sources.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
@@ -75,7 +83,7 @@ class RecomputedProjections:
 
 
 class _Outer:
-    """A tensor packed by the hooks that were open around RecomputedProjections."""
+    """A tensor packed by the hooks that were open around RecomputedLayers."""
 
     def __init__(self, hooks, t: Tensor):
         self.unpack, self.packed = hooks[1], hooks[0](t)
@@ -90,10 +98,11 @@ def _unpack(packed):
     return source.read().as_strided(size, stride, offset)
 
 
-class _Projection:
-    """One projection's recipe, and its value while views of it are still to be read back."""
+class _Recipe:
+    """One layer's output as its layer and input, and its value while views of it are still to be
+    read back."""
 
-    def __init__(self, x: Tensor, layer: nn.Linear, dtype: torch.dtype):
+    def __init__(self, x, layer: nn.Module, dtype: torch.dtype):
         self.x, self.layer, self.dtype = x, layer, dtype
         self.pending = 0  # packed views not yet read back
         self.value: Optional[Tensor] = None
@@ -101,10 +110,14 @@ class _Projection:
     def read(self) -> Tensor:
         value = self.value
         if value is None:
+            x = _unpack(self.x)
             with torch.no_grad():  # in the forward's dtype (autocast does not apply in the backward)
-                weight, bias = self.layer.weight, self.layer.bias
-                value = F.linear(self.x.to(self.dtype), weight.to(self.dtype),
-                                 None if bias is None else bias.to(self.dtype))
+                if isinstance(self.layer, nn.Linear):
+                    weight, bias = self.layer.weight, self.layer.bias
+                    value = F.linear(x.to(self.dtype), weight.to(self.dtype),
+                                     None if bias is None else bias.to(self.dtype))
+                else:
+                    value = self.layer(x).to(self.dtype)
         self.pending -= 1
         self.value = value if self.pending > 0 else None  # the last view read: nothing kept
         return value

@@ -18,7 +18,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from models.reversible import reversible_stack
+from models.recompute import RecomputedLayers
+from models.reversible import recomputing, reversible_stack
 
 IGNORE = -100  # a target the training losses skip (cross_entropy's ignore_index)
 
@@ -48,6 +49,10 @@ class Block(nn.Module):
     """Pre-norm residual block with two branches, attend(x) = attn(norm(x)) and
     feed(x) = ff(norm(x)): x + attend(x), then x + feed(x) (or their reversible coupling).
 
+    In training each norm's output is recomputed in the backward from its input, which the norm
+    keeps for its own backward anyway, instead of being kept for the projections that read it
+    (models/recompute.py): a block keeps two [batch, seq, dim] fewer, for one LayerNorm each.
+
     LayerNorm, not RMSNorm: LayerNorm is one fused kernel on every device, while RMSNorm runs as
     separate element-wise kernels on the CPU (5x slower forward + backward at [4, 1024, 256])."""
 
@@ -59,10 +64,12 @@ class Block(nn.Module):
         self.ff = ff
 
     def attend(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
-        return self.attn(self.attn_norm(x), cache=cache)
+        with RecomputedLayers(enabled=cache is None and torch.is_grad_enabled() and not recomputing()) as layers:
+            return self.attn(layers.apply(self.attn_norm, x), cache=cache)
 
     def feed(self, x: Tensor) -> Tensor:
-        return self.ff(self.ff_norm(x))
+        with RecomputedLayers(enabled=torch.is_grad_enabled() and not recomputing()) as layers:
+            return self.ff(layers.apply(self.ff_norm, x))
 
     def attn_params(self) -> list[nn.Parameter]:
         return [*self.attn_norm.parameters(), *self.attn.parameters()]

@@ -53,7 +53,7 @@ from kernels.compressed_attention import (block_selection, causal_block_attentio
 from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
-from models.recompute import RecomputedProjections
+from models.recompute import RecomputedLayers
 from models.rotary import Rotary
 
 BRANCHES = 3  # compressed, selected, window
@@ -146,11 +146,11 @@ class NativeSparseAttention(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         # a training step on the CPU kernels keeps no layer's query and key/value projections for
         # the backward, it recomputes them from x (bench size at 8k: 616 -> 488 MB kept, dense 613)
-        with RecomputedProjections(enabled=training and not self.diff_topk and self._cpu_kernels(x)) as projections:
-            q = rearrange(projections.linear(x, self.to_q), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
+        with RecomputedLayers(enabled=training and not self.diff_topk and self._cpu_kernels(x)) as projections:
+            q = rearrange(projections.apply(self.to_q, x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
             # six [b, h, n, d] views of one projection: their gradients are stacked straight into its layout
             kv = tuple(t.transpose(1, 2) for t in
-                       projections.linear(x, self.to_kv).unflatten(-1, (2 * BRANCHES, self.kv_heads, -1)).unbind(2))
+                       projections.apply(self.to_kv, x).unflatten(-1, (2 * BRANCHES, self.kv_heads, -1)).unbind(2))
             gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
             if not training:
                 out = self._attend(q, kv, gates, cache)

@@ -1,5 +1,7 @@
-"""recomputed: a checkpoint only where a backward will use it. RecomputedProjections: the gradients
+"""recomputed: a checkpoint only where a backward will use it. RecomputedLayers: the gradients
 of saving, without keeping the projection, recomputed once."""
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -7,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models import recompute
-from models.recompute import RecomputedProjections, recomputed
+from models.recompute import RecomputedLayers, recomputed
 from models.reversible import _recomputation
 
 
@@ -39,10 +41,10 @@ def layer_step(enabled: bool, saved: list | None = None):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
-        with RecomputedProjections(enabled) as projections:
-            y = projections.linear(x, proj)
+        with RecomputedLayers(enabled) as projections:
+            y = projections.apply(proj, x)
             a, b, c = y.unflatten(-1, (3, 4)).unbind(-2)  # strided views, as NSA's keys and values
-            gate = other(x)  # not a projection made by `linear`: saved as usual
+            gate = other(x)  # not made by `apply`: saved as usual
             mixed = checkpoint(lambda t: torch.tanh(t).transpose(0, 1), c.transpose(0, 1), use_reentrant=False)
             scale = gate.sigmoid().mean(-1, keepdim=True)
             out = (Square.apply(a) * b.sin() + mixed) * scale
@@ -69,8 +71,8 @@ def test_each_projection_is_recomputed_once_for_all_its_views(monkeypatch):
     torch.manual_seed(0)
     proj = nn.Linear(4, 8, bias=False)
     x = torch.randn(3, 4, requires_grad=True)
-    with RecomputedProjections() as projections:
-        y = projections.linear(x, proj)
+    with RecomputedLayers() as projections:
+        y = projections.apply(proj, x)
         out = Square.apply(y[:, :4]) * y[:, 4:].sin() + y[:, 2:6].cos()  # three saved views of one projection
     calls = []
     real_linear = F.linear
@@ -85,8 +87,8 @@ def test_disabled_or_sharded_parameters_are_saved_as_usual():
     for enabled, sharded in ((False, False), (True, True)):
         if sharded:
             proj.weight.ds_id = 0  # how ZeRO-3 marks a parameter it gathers on demand
-        with RecomputedProjections(enabled) as projections:
-            y = projections.linear(x, proj)
+        with RecomputedLayers(enabled) as projections:
+            y = projections.apply(proj, x)
             assert not projections._sources
             y.exp().sum().backward()
 
@@ -98,8 +100,8 @@ def test_the_recomputation_has_the_forwards_dtype_under_autocast():
         torch.manual_seed(0)
         proj = nn.Linear(8, 8, bias=True)
         x = torch.randn(4, 8, requires_grad=True)
-        with torch.autocast("cpu", dtype=dtype), RecomputedProjections(enabled) as projections:
-            y = projections.linear(x, proj)
+        with torch.autocast("cpu", dtype=dtype), RecomputedLayers(enabled) as projections:
+            y = projections.apply(proj, x)
             assert y.dtype == dtype
             out = Square.apply(y) * y
         out.float().sum().backward()
@@ -107,6 +109,35 @@ def test_the_recomputation_has_the_forwards_dtype_under_autocast():
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
 
+
+
+
+def nested_step(enabled: bool):
+    """A LayerNorm recomputed by an outer RecomputedLayers, read by a projection an inner one
+    recomputes and by a product, as a block's norm and NSA's projections -> the gradients, and
+    whether the norm's and the projection's outputs were still alive between forward and backward."""
+    torch.manual_seed(0)
+    norm, proj = nn.LayerNorm(6), nn.Linear(6, 8, bias=False)
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    with RecomputedLayers(enabled) as outer:
+        normed = outer.apply(norm, x)
+        with RecomputedLayers(enabled) as inner:
+            y = inner.apply(proj, normed)
+            loss = (Square.apply(y) * normed.sum(-1, keepdim=True).sin()).sum()
+    alive = [weakref.ref(normed), weakref.ref(y)]
+    del normed, y, outer, inner
+    alive = [ref() is not None for ref in alive]
+    loss.backward()
+    return (x.grad, norm.weight.grad, norm.bias.grad, proj.weight.grad), alive
+
+
+def test_a_recomputed_layers_input_is_recomputed_by_the_layers_around_it():
+    grads, alive = nested_step(True)
+    plain_grads, alive_plain = nested_step(False)
+    assert alive_plain == [True, True]  # kept for the backward as usual
+    assert alive == [False, False]  # the inner recipe holds its input as the outer's recipe
+    for got, expected in zip(grads, plain_grads):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 def _tanh_chain(x):
     return torch.tanh(torch.tanh(x) * 2)

@@ -71,3 +71,36 @@ def test_factorised_embedding_shapes_and_parameters():
     assert model.token_emb.weight.shape == (64, 8) and model.to_logits.weight.shape == (64, 8)
     assert model(torch.randint(0, 64, (2, 5))).shape == (2, 5, 64)
     assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in tiny_dense().parameters())
+
+
+def _block_step(recompute_norms: bool, monkeypatch):
+    """One pre-norm block's training step -> its gradients and the bytes it kept for the backward."""
+    from models import transformer
+    from models.recompute import RecomputedLayers
+
+    if not recompute_norms:
+        monkeypatch.setattr(transformer, "RecomputedLayers", lambda enabled: RecomputedLayers(enabled=False))
+    torch.manual_seed(0)
+    block = tiny_dense().blocks[0].train()
+    x = torch.randn(2, 12, 32, requires_grad=True)
+    storages = {}
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x).square().sum().backward()
+    return [x.grad, *(p.grad for p in block.parameters())], sum(storages.values())
+
+
+def test_a_block_recomputes_its_norms_outputs_instead_of_keeping_them(monkeypatch):
+    """Each LayerNorm's input is kept for its own backward; its output, which the attention's and
+    the feed-forward's first projections read, is recomputed from it: two [batch, seq, dim] fewer."""
+    grads, kept = _block_step(True, monkeypatch)
+    plain_grads, plain_kept = _block_step(False, monkeypatch)
+    assert plain_kept - kept == 2 * 2 * 12 * 32 * 4
+    for got, expected in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
