@@ -25,10 +25,15 @@ from torch.utils.checkpoint import checkpoint
 from models.reversible import recomputing
 
 
+def recomputation_pays() -> bool:
+    """Whether autograd records for a backward, outside a reversible block's recomputation."""
+    return torch.is_grad_enabled() and not recomputing()
+
+
 def recomputed(fn: Callable, *args):
-    """fn(*args); while autograd records for a backward (outside a reversible block's
-    recomputation), what fn would keep for it is recomputed from args in the backward instead."""
-    if torch.is_grad_enabled() and not recomputing():
+    """fn(*args); where recomputation pays, what fn would keep for the backward is recomputed from
+    args in the backward instead."""
+    if recomputation_pays():
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
 
@@ -37,8 +42,8 @@ class RecomputedLayers:
     """While open, any tensor autograd saves that is a view of an output made by `apply` is saved
     as (its layer and input, the view's size, stride and offset). The backward recomputes each
     output once, from its input and the layer's weights, for all of its views, and drops it when
-    the last of them has been read back. Other tensors go to the hooks that were open before (an outer
-    checkpoint's, a memory count's), or are saved as usual. Closed (or `enabled=False`), nothing
+    the last of them has been read back. Other tensors go to the hooks that were open before (an
+    outer checkpoint's, a memory count's), or are saved as usual. Closed (or `enabled=False`), nothing
     changes.
 
     The recomputation uses the weights as they are in the backward, so they must not change in

@@ -18,8 +18,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from models.recompute import RecomputedLayers
-from models.reversible import recomputing, reversible_stack
+from models.recompute import RecomputedLayers, recomputation_pays
+from models.reversible import reversible_stack
 
 IGNORE = -100  # a target the training losses skip (cross_entropy's ignore_index)
 
@@ -64,11 +64,11 @@ class Block(nn.Module):
         self.ff = ff
 
     def attend(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
-        with RecomputedLayers(enabled=cache is None and torch.is_grad_enabled() and not recomputing()) as layers:
+        with RecomputedLayers(enabled=cache is None and recomputation_pays()) as layers:
             return self.attn(layers.apply(self.attn_norm, x), cache=cache)
 
     def feed(self, x: Tensor) -> Tensor:
-        with RecomputedLayers(enabled=torch.is_grad_enabled() and not recomputing()) as layers:
+        with RecomputedLayers(enabled=recomputation_pays()) as layers:
             return self.ff(layers.apply(self.ff_norm, x))
 
     def attn_params(self) -> list[nn.Parameter]:

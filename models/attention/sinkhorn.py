@@ -74,9 +74,9 @@ class SinkhornAttention(nn.Module):
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds past inputs, keys, values."""
         if cache is None:
-            # recomputed in the backward from x, which the projection keeps anyway: q, k, v and the
-            # bucketed layout, which holds each bucket's keys and values twice (next to its own and
-            # as another's extra bucket), would be kept beside it, more than dense attention keeps
+            # recomputed in the backward from x (the block's norm output, recomputed too): q, k, v
+            # and the bucketed layout, which holds each bucket's keys and values twice (next to its
+            # own and as another's extra bucket), would be kept, more than dense attention keeps
             out = recomputed(self._project_and_attend, x)
         else:
             out = self._project_and_attend(x, cache)
