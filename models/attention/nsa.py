@@ -53,7 +53,7 @@ from kernels.compressed_attention import (block_selection, causal_block_attentio
 from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
-from models.recompute import RecomputedLayers
+from models.recompute import RecomputedLayers, recomputation_pays, recomputed
 from models.rotary import Rotary
 
 BRANCHES = 3  # compressed, selected, window
@@ -145,8 +145,10 @@ class NativeSparseAttention(nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # one cast for the three projections, not one each
             x = x.to(torch.get_autocast_dtype(x.device.type))
         # a training step on the CPU kernels keeps no layer's query and key/value projections for
-        # the backward, it recomputes them from x (bench size at 8k: 616 -> 488 MB kept, dense 613)
-        with RecomputedLayers(enabled=training and not self.diff_topk and self._cpu_kernels(x)) as projections:
+        # the backward, it recomputes them from x (bench size at 8k: 616 -> 488 MB kept, dense 613);
+        # not while a reversible stack recomputes this layer, whose backward follows at once
+        recompute_projections = recomputation_pays() and not self.diff_topk and self._cpu_kernels(x)
+        with RecomputedLayers(enabled=training and recompute_projections) as projections:
             q = rearrange(projections.apply(self.to_q, x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
             # six [b, h, n, d] views of one projection: their gradients are stacked straight into its layout
             kv = tuple(t.transpose(1, 2) for t in
@@ -155,7 +157,7 @@ class NativeSparseAttention(nn.Module):
             if not training:
                 out = self._attend(q, kv, gates, cache)
             elif self.diff_topk:  # selection passes gradient: the branches recompute together
-                out = checkpoint(self._attend, q, kv, gates, use_reentrant=False)
+                out = recomputed(self._attend, q, kv, gates)
             else:
                 out = self._train(q, kv, gates)
         return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
@@ -171,7 +173,7 @@ class NativeSparseAttention(nn.Module):
         selection needs no gradient: it runs once, outside the recomputation."""
         k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
         if self._cpu_kernels(q):  # one pass scores the compressed keys for selection and attention
-            kc, vc = checkpoint(self._compress, k_cmp, v_cmp, use_reentrant=False)
+            kc, vc = recomputed(self._compress, k_cmp, v_cmp)
             out_cmp, scores, indices = cpu_compressed_selection(
                 q, kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
                 self.fine_block, self._num_forced(), self._num_free(k_cmp.shape[2]))

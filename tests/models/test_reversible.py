@@ -4,8 +4,9 @@ coupling, memory stays flat in depth, and side effects run once."""
 import pytest
 import torch
 
+from kernels import span_attention
 from models import recompute
-from models.lm import routing_lm, sinkhorn_lm, transformer_lm
+from models.lm import nsa_lm, routing_lm, sinkhorn_lm, transformer_lm
 
 KNOBS = dict(num_tokens=32, dim=32, heads=2, dim_head=16)
 MODELS = {
@@ -97,6 +98,31 @@ def test_bucketed_attention_is_not_checkpointed_inside_a_reversible_block(name, 
     MODELS[name](2).train()(tokens).sum().backward()
     # where the layers are not reversible, per layer: the attention (and routing's commitment loss)
     assert len(calls) == 2 * {"sinkhorn": 1, "routing": 2}[name]
+
+
+@pytest.mark.parametrize("knobs", [
+    pytest.param(dict(kernel="cpu"), id="cpu-kernels", marks=pytest.mark.skipif(
+        not span_attention.available(), reason="no C compiler for the CPU kernel")),
+    pytest.param(dict(diff_topk=True), id="diff-topk"),
+])
+def test_nsa_recomputes_nothing_of_its_own_inside_a_reversible_block(knobs, monkeypatch):
+    """NSA's own recomputations (its compressors, or with diff_topk its whole attention; its
+    projections; the blocks' norms) are skipped while a reversible block is recomputed, whose
+    activations are freed at once: they would compute those a third time for nothing."""
+    calls, reads = [], []
+    monkeypatch.setattr(recompute, "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
+    read = recompute._Recipe.read
+    monkeypatch.setattr(recompute._Recipe, "read", lambda recipe: reads.append(recipe) or read(recipe))
+    tokens = torch.randint(0, 32, (2, 24))
+
+    def nsa(**kw):
+        return nsa_lm(**KNOBS, depth=2, kv_heads=1, sliding_window_size=8, compress_block_size=4, compress_stride=2,
+                      fine_block_size=4, num_fine_selected=2, **knobs, **kw).train()
+
+    nsa(reversible=True)(tokens).sum().backward()
+    assert not calls and not reads
+    nsa()(tokens).sum().backward()
+    assert len(calls) == 2 and reads  # where the layers are not reversible: one checkpoint per layer
 
 
 def test_inference_equals_the_training_forward():
