@@ -147,8 +147,8 @@ class NativeSparseAttention(nn.Module):
         # a training step on the CPU kernels keeps no layer's query and key/value projections for
         # the backward, it recomputes them from x (bench size at 8k: 616 -> 488 MB kept, dense 613);
         # not while a reversible stack recomputes this layer, whose backward follows at once
-        recompute_projections = recomputation_pays() and not self.diff_topk and self._cpu_kernels(x)
-        with RecomputedLayers(enabled=training and recompute_projections) as projections:
+        recompute_projections = cache is None and recomputation_pays() and not self.diff_topk and self._cpu_kernels(x)
+        with RecomputedLayers(enabled=recompute_projections) as projections:
             q = rearrange(projections.apply(self.to_q, x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
             # six [b, h, n, d] views of one projection: their gradients are stacked straight into its layout
             kv = tuple(t.transpose(1, 2) for t in
@@ -181,6 +181,8 @@ class NativeSparseAttention(nn.Module):
             local = self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)
             return out.add_(local)  # in place: the product's backward needs its inputs, not its output
         scores, indices = self._selection(q, k_cmp)
+        # plain checkpoints, inside a reversible stack's recomputation too: there they hold its
+        # backward to one branch's activations at a time (2k, kernel=torch: 111.5 against 117.1 MB)
         out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
                          context_fn=_keep_causal_attention)
         out = out + checkpoint(self._selected_part, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
