@@ -32,6 +32,8 @@ from experiments.runtime.run import HYDRA, METRICS, OVERRIDES, SUMMARY
 STALE_S = 600  # a run without a summary and no metrics written for this long was killed
 
 COLUMNS = ["run", "status", "step", "best", "final", "tokens_per_s", "peak_mem_mb", "params", "wall_s"]
+# shown when a run has it: NSA on recall data, the share of answers whose needle its selection held
+OPTIONAL = ["selection_hit"]
 
 
 @dataclass
@@ -105,6 +107,7 @@ class RunRecord:
             "peak_mem_mb": self.summary.get("peak_mem_mb"),
             "params": self.summary.get("params"),
             "wall_s": self.summary.get("wall_s") if self.status != "running" else self.latest("wall_s"),
+            "selection_hit": self.final("val_selection_hit"),
             "error": self.error,
             "data": self.fingerprint or "-",
             "path": str(self.path),
@@ -204,7 +207,7 @@ def seed_statistics(runs: list[RunRecord], metric: str) -> list[dict]:
 def _fmt(key: str, value) -> str:
     if value is None:
         return "-"
-    if key in ("best", "final", "mean", "std", "min", "max"):
+    if key in ("best", "final", "mean", "std", "min", "max", "selection_hit"):
         return f"{value:.4f}"
     if key in ("tokens_per_s", "peak_mem_mb"):
         return f"{value:,.0f}"
@@ -215,8 +218,14 @@ def _fmt(key: str, value) -> str:
     return str(value)
 
 
-def _headers(metric: str) -> list[str]:
-    return ["run", "status", "step", f"best {metric}", f"final {metric}", "tokens/s", "peak MB", "params", "wall"]
+def _columns(rows: list[dict]) -> list[str]:
+    return COLUMNS + [c for c in OPTIONAL if any(row[c] is not None for row in rows)]
+
+
+def _headers(metric: str, columns: list[str]) -> list[str]:
+    names = {"best": f"best {metric}", "final": f"final {metric}", "tokens_per_s": "tokens/s", "peak_mem_mb": "peak MB",
+             "wall_s": "wall", "selection_hit": "selection hit"}
+    return [names.get(c, c) for c in columns]
 
 
 def text_table(groups: dict[str, list[dict]], metric: str, markdown: bool) -> str:
@@ -224,8 +233,9 @@ def text_table(groups: dict[str, list[dict]], metric: str, markdown: bool) -> st
     for fingerprint, rows in groups.items():
         if len(groups) > 1:
             out.append(f"{'### ' if markdown else ''}data {fingerprint} (ranked on its own: other runs saw other data)\n")
-        cells = [[_fmt(c, row[c]) for c in COLUMNS] for row in rows]
-        headers = _headers(metric)
+        columns = _columns(rows)
+        cells = [[_fmt(c, row[c]) for c in columns] for row in rows]
+        headers = _headers(metric, columns)
         if markdown:
             out.append("| " + " | ".join(headers) + " |")
             out.append("|" + "|".join("---" for _ in headers) + "|")
@@ -257,7 +267,8 @@ def seed_table(stats: list[dict], metric: str, markdown: bool) -> str:
 
 def csv_text(groups: dict[str, list[dict]]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=COLUMNS + ["error", "data", "path"])
+    writer = csv.DictWriter(buffer, fieldnames=_columns([r for rows in groups.values() for r in rows])
+                            + ["error", "data", "path"], extrasaction="ignore")
     writer.writeheader()
     for rows in groups.values():
         writer.writerows(rows)

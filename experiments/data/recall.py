@@ -14,7 +14,8 @@ built-in corpus), asked for at the end; the model must give its digits.
 
 Each item is `(inputs [batch, seq_len], targets [batch, seq_len], depth [batch])`: targets hold IGNORE
 except at the answers, depth is the needle's depth bin (passkey) or 0. Batches are a pure function of
-(seed, step, micro, rank), like every dataset here, so resume is exact.
+(seed, step, micro, rank), like every dataset here, so resume is exact. `needles(inputs, targets)`
+says where in its own sequence each answer is to be found (what a sparse attention must reach).
 """
 
 import copy
@@ -43,6 +44,11 @@ class RecallData:
     def _draw(self, n: int, gen: torch.Generator, depths: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """n items -> (tokens [n, seq_len + 1], answer positions [n, seq_len + 1], depth bins [n]); `depths`
         in [0, 1) places the needles (None: drawn)."""
+        raise NotImplementedError
+
+    def needles(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """inputs, targets [b, n] of a batch -> [b, n]: at each answer, the position of the token the
+        answer copies (MQAR: the queried pair's value; passkey: the digit in the needle), -1 elsewhere."""
         raise NotImplementedError
 
     def _batch(self, n: int, gen: torch.Generator, depths: Optional[Tensor] = None) -> Batch:
@@ -121,6 +127,11 @@ class MQAR(RecallData):
         answers[rows, at + 1] = True
         return tokens, answers, torch.zeros(b, dtype=torch.long)
 
+    def needles(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        n = self.num_kv_pairs
+        pair = (inputs[:, :, None] == inputs[:, None, 0 : 2 * n : 2]).int().argmax(-1)  # [b, seq]: the key's first pair
+        return (2 * pair + 1).masked_fill(targets == IGNORE, -1)
+
 
 class Passkey(RecallData):
     """A number of `digits` digits hidden at a depth of built-in filler text, asked for at the end:
@@ -140,6 +151,7 @@ class Passkey(RecallData):
     per_sequence = True
     vocab_size = 256
     _QUESTION = " What is the pass key? The pass key is "
+    _STATED = " The pass key is "  # the needle's first words, the key right after them
 
     def __init__(self, seq_len: int, digits: int, depth_bins: int, cache_dir: str, curriculum_seq_len: int = 256,
                  curriculum_steps: int = 0):
@@ -193,7 +205,7 @@ class Passkey(RecallData):
 
     @staticmethod
     def _needle(key: str) -> str:
-        return f" The pass key is {key}. Remember it. {key} is the pass key. "
+        return f"{Passkey._STATED}{key}. Remember it. {key} is the pass key. "
 
     def _draw(self, b: int, gen: torch.Generator, depths: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         total = self.seq_len + 1
@@ -214,6 +226,17 @@ class Passkey(RecallData):
             answers[i, total - self.digits :] = True
         bins = (depths * self.depth_bins).long().clamp(max=self.depth_bins - 1)
         return tokens, answers, bins
+
+    def needles(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """The i-th answer digit is found at the i-th digit of the needle's first statement of the key."""
+        found = torch.full_like(inputs, -1)
+        marker = self._STATED.encode()
+        for row, (x, y) in enumerate(zip(inputs, targets)):
+            answers = (y != IGNORE).nonzero()[:, 0]
+            at = bytes(x.clamp(0, 255).tolist()).find(marker)
+            if at >= 0 and len(answers):
+                found[row, answers] = at + len(marker) + torch.arange(len(answers))
+        return found
 
     @staticmethod
     def decode(tokens) -> str:

@@ -3,7 +3,10 @@
 The loss covers the answer positions only; validation reports `val_accuracy`: the share of answer
 tokens predicted right (MQAR), or of sequences with every answer token right (passkey: under
 teacher forcing that is exactly what greedy decoding would answer), and per depth bin for data
-with needles (`val_accuracy_depth<i>`).
+with needles (`val_accuracy_depth<i>`). For NSA it also reports whether selection found what each
+answer needs: `val_selection_hit`, the share of (answer, layer, KV head) whose selected blocks hold
+the token the answer copies, and `val_selection_free_hit`, the same among answers whose token no
+forced block (own, initial, previous) holds: what the choice by importance found by itself.
 
     python train.py experiment=mqar
     python train.py experiment=passkey model=nsa
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 
 from experiments.runtime.errors import UserError
 from experiments.tasks.task import Member, Task
+from models.attention.nsa import Selection, recording_selection
 from models.transformer import IGNORE, TransformerLM
 
 
@@ -67,11 +71,14 @@ class RecallTask(Task):
         loss_sum = answers = 0.0
         right = torch.zeros(data.depth_bins)
         count = torch.zeros(data.depth_bins)
+        hits = torch.zeros(4)  # selected, of (answer, layer, head); free, of those no forced block holds
         for batch in data.val_batches(tr.val_batches, tr.batch_size * backend.world_size):
             inputs, targets, depth = (t.to(backend.device) for t in self.val_shard(batch))
             answer = targets != IGNORE
-            with backend.autocast():
+            with backend.autocast(), recording_selection(member.model) as selections:
                 logits = member.model(inputs, at=answer)
+            if selections:
+                hits += selection_hits(selections, data.needles(inputs, targets))
             loss_sum += F.cross_entropy(logits.float(), targets[answer], reduction="sum").item()
             answers += answer.sum().item()
             scored, units = answer_accuracy(logits.argmax(-1), targets, data.per_sequence)
@@ -80,6 +87,10 @@ class RecallTask(Task):
         figures = {"val_loss": loss_sum / max(answers, 1), "val_accuracy": (right.sum() / count.sum()).item()}
         if data.depth_bins > 1:
             figures |= {f"val_accuracy_depth{i}": (right[i] / count[i]).item() for i in range(data.depth_bins)}
+        if hits[1]:
+            figures["val_selection_hit"] = (hits[0] / hits[1]).item()
+        if hits[3]:
+            figures["val_selection_free_hit"] = (hits[2] / hits[3]).item()
         return {k: backend.all_reduce_mean(v) for k, v in figures.items()}
 
     @torch.no_grad()
@@ -100,6 +111,20 @@ class RecallTask(Task):
         text = "\n".join(lines) + "\n"
         ctx.run.write_sample(f"step_{step:07d}.txt", text)
         ctx.tracker.log_text("samples", text, step)
+
+
+def selection_hits(selections: list[Selection], needles: torch.Tensor) -> torch.Tensor:
+    """Recorded selections (one per NSA layer) and needles [b, n] (-1 but at answers) -> counts
+    (held by a selected block, answers x layers x heads, held by a free block, those no forced
+    block holds)."""
+    counts = torch.zeros(4)
+    asked = (needles >= 0)[:, None]  # [b, 1, n]
+    for selection in selections:
+        selected, forced = selection.holds(needles)
+        beyond = asked & ~forced
+        counts += torch.stack([(selected & asked).sum(), asked.expand_as(selected).sum(),
+                               (selected & beyond).sum(), beyond.sum()]).float().cpu()
+    return counts
 
 
 def answer_accuracy(predicted: torch.Tensor, targets: torch.Tensor, per_sequence: bool) -> tuple[torch.Tensor, torch.Tensor]:

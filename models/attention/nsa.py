@@ -38,7 +38,9 @@ compressed branch gets its positions from the intra-block embedding and the caus
 """
 
 import math
-from typing import Optional
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +60,40 @@ from models.rotary import Rotary
 
 BRANCHES = 3  # compressed, selected, window
 RAW = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")  # cached per-token keys and values
+
+
+@dataclass
+class Selection:
+    """The fine blocks one layer's selected branch attended to in one forward: blocks
+    [batch, kv_heads, seq, slots] (block index, -1 for an unused slot), the first `forced` slots
+    the forced ones (own, initial, previous), the others chosen by importance."""
+
+    blocks: Tensor
+    forced: int
+    fine_block: int
+
+    def holds(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [batch, seq] (a key position per query, -1: none) -> (selected, forced)
+        [batch, kv_heads, seq] bool: whether a selected block holds the query's position, and
+        whether a forced block does."""
+        block = (positions // self.fine_block)[:, None, :, None]
+        match = (self.blocks == block) & (positions >= 0)[:, None, :, None]
+        return match.any(-1), match[..., : self.forced].any(-1)
+
+
+@contextmanager
+def recording_selection(model: nn.Module) -> Iterator[list[Selection]]:
+    """Within it, each NSA layer of `model` appends the blocks it selects in every forward from
+    position 0 without gradient (inference, validation) to the list it yields, layer by layer."""
+    layers = [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
+    records: list[Selection] = []
+    for layer in layers:
+        layer.selections = records
+    try:
+        yield records
+    finally:
+        for layer in layers:
+            layer.selections = None
 
 
 class BlockCompressor(nn.Module):
@@ -138,6 +174,7 @@ class NativeSparseAttention(nn.Module):
         self.compress_k = BlockCompressor(kv_heads, compress_block_size, compress_stride, dim_head, hidden)
         self.compress_v = BlockCompressor(kv_heads, compress_block_size, compress_stride, dim_head, hidden)
         self.rotary = Rotary(dim_head)
+        self.selections: Optional[list[Selection]] = None  # set by recording_selection
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens."""
@@ -239,6 +276,8 @@ class NativeSparseAttention(nn.Module):
         out_cmp, scores, indices = compressed_attention(
             q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.compress_k.block, self.compress_k.stride,
             self.fine_block, self._chooser(k_slc.shape[2]), importance_grad=self.diff_topk and torch.is_grad_enabled())
+        if self.selections is not None and cache is None:
+            self.selections.append(self._selection_record(scores.view(b, h, m, -1), indices.view(b, h, m, -1)))
         out_slc = self._selected(q_rot, k_slc, v_slc, scores.view(b, h, m, -1), indices.view(b, h, m, -1), start)
         out_win = self._window(q_rot, k_win, v_win, start)
         gates = torch.sigmoid(gates)
@@ -326,6 +365,14 @@ class NativeSparseAttention(nn.Module):
         blocks = torch.cat((forced.expand(b * h, m, -1), indices.flatten(0, 1)), dim=-1)
         valid = torch.cat((forced_valid.expand(b * h, m, -1), valid.flatten(0, 1)), dim=-1)
         return self._block_spans(blocks, valid)
+
+    def _selection_record(self, scores: Tensor, indices: Tensor) -> Selection:
+        """The forced and freely chosen blocks [b, h, m, free] of queries from position 0, as recorded."""
+        b, h, m, _ = indices.shape
+        forced, forced_valid = self._forced_indices(0, m, indices.device)
+        blocks = torch.cat((forced.expand(b, h, m, -1), indices), dim=-1)
+        valid = torch.cat((forced_valid.expand(b, h, m, -1), scores > float("-inf")), dim=-1)
+        return Selection(blocks.masked_fill(~valid, -1), forced.shape[-1], self.fine_block)
 
     def _block_spans(self, blocks: Tensor, valid: Tensor) -> Tensor:
         """Fine blocks [..., m, slots] of the queries from position 0 -> their key spans [..., m, slots, 2]

@@ -128,12 +128,14 @@ def test_optuna_preset_runs_trials_in_their_own_directories(tmp_path):
     assert "best_value" in (tmp_path / "optimization_results.yaml").read_text()
 
 
-def _recall_run(root: Path, name: str, model: str, dim: int, seq: int, accuracy: float, depths=None) -> None:
+def _recall_run(root: Path, name: str, model: str, dim: int, seq: int, accuracy: float, depths=None,
+                hit=None) -> None:
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text(f"- model={model}\n- model.dim={dim}\n- data.seq_len={seq}\n")
     (run / ".hydra" / "config.yaml").write_text(f"model:\n  dim: {dim}\ndata:\n  seq_len: {seq}\n")
     figures = {"val_accuracy": accuracy, **{f"val_accuracy_depth{i}": a for i, a in enumerate(depths or [])}}
+    figures |= {} if hit is None else {"val_selection_hit": hit}
     (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_loss": 1 - accuracy, **figures}) + "\n")
     (run / "summary.json").write_text(json.dumps({"status": "completed", "step": 10, "model": model, "task": "recall",
                                                   "data_fingerprint": f"mqar-{seq}", **figures}))
@@ -143,15 +145,16 @@ def test_recall_runs_are_ranked_by_accuracy_and_drawn_by_width_and_depth(tmp_pat
     sweep = tmp_path / "sweep"
     for model, accuracies in {"transformer": (1.0, 1.0), "nsa": (0.4, 0.9)}.items():
         for dim, accuracy in zip((32, 64), accuracies):
-            _recall_run(sweep, f"{model}-{dim}", model, dim, 64, accuracy)
+            _recall_run(sweep, f"{model}-{dim}", model, dim, 64, accuracy, hit=0.75 if model == "nsa" else None)
     _recall_run(sweep, "passkey-nsa", "nsa", 64, 2048, 0.5, depths=[1.0, 0.0])
     assert main([str(sweep), "--format", "csv"]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = [dict(zip(out[0].split(","), line.split(","))) for line in out[1:] if line]
     mqar = [r for r in rows if r["data"] == "mqar-64"]
     assert [float(r["best"]) for r in mqar] == [1.0, 1.0, 0.9, 0.4]  # highest first
+    assert [r["selection_hit"] for r in mqar] == ["", "", "0.75", "0.75"]  # NSA's selection found 3 needles in 4
     assert (sweep / "recall_by_width.png").stat().st_size > 0 and (sweep / "passkey_depth.png").stat().st_size > 0
-    assert "val_accuracy" in (sweep / "review.md").read_text()
+    assert "val_accuracy" in (sweep / "review.md").read_text() and "selection hit" in (sweep / "review.md").read_text()
 
 
 def test_recall_by_width_keeps_each_attentions_style_in_every_panel():

@@ -117,3 +117,25 @@ def test_the_length_curriculum_trains_on_short_items_then_at_full_length(tmp_pat
 def test_impossible_curriculum_knobs_are_refused(tmp_path, knobs, message):
     with pytest.raises(UserError, match=message):
         passkey(tmp_path, **{"seq_len": 1024, "curriculum_steps": 5, **knobs})
+
+
+def test_mqar_needles_point_at_the_value_each_answer_copies():
+    data = mqar()
+    inputs, targets, _ = data.train_batch(8, seed=0, step=1)
+    needles = data.needles(inputs, targets)
+    asked = targets != IGNORE
+    assert ((needles >= 0) == asked).all()
+    rows = asked.nonzero()[:, 0]
+    assert torch.equal(inputs[rows, needles[asked]], targets[asked])  # the value given in the pair
+    assert torch.equal(inputs[rows, needles[asked] - 1], inputs[asked])  # right after the queried key
+
+
+def test_passkey_needles_point_at_the_hidden_digits(tmp_path):
+    data = passkey(tmp_path)
+    inputs, targets, _ = next(data.val_batches(1, 4))
+    needles = data.needles(inputs, targets)
+    asked = targets != IGNORE
+    assert ((needles >= 0) == asked).all()
+    rows = asked.nonzero()[:, 0]
+    assert torch.equal(inputs[rows, needles[asked]], targets[asked])
+    assert (needles[asked] < inputs.shape[1] - 30).all()  # in the needle, not in the question at the end

@@ -34,6 +34,18 @@ def test_an_mqar_run_reports_val_accuracy(tmp_path):
     assert "expected" in next((run / "samples").glob("*.txt")).read_text()
 
 
+def test_an_nsa_mqar_run_reports_how_often_selection_held_the_needle(tmp_path):
+    run = tmp_path / "run"  # 8 pairs fill fine blocks 0 and 1: queries beyond block 2 must choose block 1
+    train(run, "experiment=mqar", "model=nsa", "data.vocab_size=64", "data.seq_len=64", "data.num_kv_pairs=8",
+          "model.dim=32", "model.sliding_window_size=8", "model.compress_block_size=8", "model.compress_stride=4",
+          "model.fine_block_size=8", "model.num_fine_selected=4", "trainer.max_steps=2", "trainer.batch_size=4",
+          "trainer.val_batches=2", "trainer.validate_every=0", base=[
+              "trainer.log_every=1", "trainer.progress=false", "trainer.threads=1", "tracker=none"])
+    summary = read_summary(run)
+    assert 0 < summary["val_selection_free_hit"] < 1  # the one free block sometimes holds the pair, not always
+    assert summary["val_selection_free_hit"] < summary["val_selection_hit"] <= 1  # the initial block holds half
+
+
 def test_a_passkey_run_reports_accuracy_per_depth(tmp_path):
     run = tmp_path / "run"  # one step on the curriculum's short items, one at full length
     train(run, "experiment=passkey", "data.seq_len=256", "data.curriculum_seq_len=128", "data.curriculum_steps=1",

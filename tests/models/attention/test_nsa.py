@@ -317,3 +317,26 @@ def test_compressor_is_an_mlp_over_each_blocks_tokens_and_positions(block, strid
         params = [x, comp.w1, comp.w2, comp.pos, comp.b1]
         for got, want in zip(torch.autograd.grad(out, params, grad), torch.autograd.grad(expected, params, grad)):
             torch.testing.assert_close(got, want)
+
+
+def test_recorded_selection_holds_the_blocks_the_selected_branch_attends():
+    """Each layer records, per query, its forced blocks and the one it chose, and says which of
+    them holds a given position."""
+    from models.attention.nsa import recording_selection
+
+    model = tiny_nsa(num_fine_selected=4)
+    tokens = torch.randint(0, 64, (2, 24))
+    with torch.no_grad(), recording_selection(model) as selections:
+        model(tokens)
+    assert len(selections) == 2 and model.blocks[0].attn.selections is None  # one per layer, then off
+    first = selections[0]
+    assert first.blocks.shape[:3] == (2, 2, 24) and first.forced == 3
+    t = 21  # own block 5, initial 0, previous 4, one of blocks 1..3 chosen
+    chosen = set(first.blocks[0, 0, t].tolist()) - {-1}
+    assert {5, 0, 4} <= chosen and len(chosen) == 4
+    positions = torch.full((2, 24), -1)
+    for block in range(6):
+        positions[0, t] = 4 * block + 1
+        selected, forced = first.holds(positions)
+        assert selected[0, 0, t] == (block in chosen) and forced[0, 0, t] == (block in {0, 4, 5})
+        assert not selected[1].any() and not selected[0, :, :t].any()  # only where a position was asked
