@@ -32,6 +32,7 @@ def nsa_lm(
     num_fine_selected: int,
     compress_hidden_mult: float = 1.0,
     diff_topk: bool = False,
+    branches=("compressed", "selected", "window"),
     kernel="auto",
     attn_dropout: float = 0.0,
     **backbone,
@@ -49,6 +50,7 @@ def nsa_lm(
         num_fine_selected=num_fine_selected,
         compress_hidden_mult=compress_hidden_mult,
         diff_topk=diff_topk,
+        branches=tuple(getattr(b, "value", b) for b in branches),
         dropout=attn_dropout,
         kernel=getattr(kernel, "value", kernel),
     )

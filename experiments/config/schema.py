@@ -46,6 +46,12 @@ class Kernel(Enum):
     cpu = "cpu"
 
 
+class Branch(Enum):  # NSA's three branches
+    compressed = "compressed"
+    selected = "selected"
+    window = "window"
+
+
 class WandbMode(Enum):
     offline = "offline"
     online = "online"
@@ -121,6 +127,7 @@ class NSAConfig(TransformerConfig):
     num_fine_selected: int = MISSING
     compress_hidden_mult: float = MISSING  # hidden width of the compression MLP, in dim_head units
     diff_topk: bool = MISSING  # selection passes gradient to the compressed keys (straight-through)
+    branches: list[Branch] = MISSING  # the branches whose gates are free; the others held at 0 (ablations)
     kernel: Kernel = MISSING
 
 

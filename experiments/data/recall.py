@@ -235,7 +235,7 @@ class Passkey(RecallData):
             answers = (y != IGNORE).nonzero()[:, 0]
             at = bytes(x.clamp(0, 255).tolist()).find(marker)
             if at >= 0 and len(answers):
-                found[row, answers] = at + len(marker) + torch.arange(len(answers))
+                found[row, answers] = at + len(marker) + torch.arange(len(answers), device=inputs.device)
         return found
 
     @staticmethod

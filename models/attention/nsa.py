@@ -58,7 +58,8 @@ from models.attention.tiled import tiled_attention
 from models.recompute import RecomputedLayers, recomputation_pays, recomputed
 from models.rotary import Rotary
 
-BRANCHES = 3  # compressed, selected, window
+BRANCH_NAMES = ("compressed", "selected", "window")
+BRANCHES = len(BRANCH_NAMES)
 RAW = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")  # cached per-token keys and values
 
 
@@ -152,12 +153,16 @@ class NativeSparseAttention(nn.Module):
         num_fine_selected: int,
         compress_hidden_mult: float = 1.0,
         diff_topk: bool = False,
+        branches: tuple[str, ...] = BRANCH_NAMES,
         dropout: float = 0.0,
         kernel: str = "auto",
     ):
         super().__init__()
         _check(heads, kv_heads, sliding_window_size, compress_block_size, compress_stride, fine_block_size,
-               num_fine_selected, kernel)
+               num_fine_selected, kernel, branches)
+        # an ablation: the gates of the branches left out are held at 0 (sigmoid of -inf), so they add
+        # nothing and pass no gradient
+        self.closed = [i for i, name in enumerate(BRANCH_NAMES) if name not in branches]
         self.heads, self.kv_heads, self.dim_head = heads, kv_heads, dim_head
         self.group = heads // kv_heads
         self.window = sliding_window_size
@@ -191,6 +196,8 @@ class NativeSparseAttention(nn.Module):
             kv = tuple(t.transpose(1, 2) for t in
                        projections.apply(self.to_kv, x).unflatten(-1, (2 * BRANCHES, self.kv_heads, -1)).unbind(2))
             gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
+            if self.closed:
+                gates = gates.index_fill(0, torch.tensor(self.closed, device=x.device), float("-inf"))
             if not training:
                 out = self._attend(q, kv, gates, cache)
             elif self.diff_topk:  # selection passes gradient: the branches recompute together
@@ -510,8 +517,11 @@ def _gathered_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid:
     return torch.einsum("bhgmk,bhmkd->bhgmd", probs.to(q.dtype), values)
 
 
-def _check(heads, kv_heads, window, block, stride, fine_block, num_selected, kernel) -> None:
+def _check(heads, kv_heads, window, block, stride, fine_block, num_selected, kernel, branches) -> None:
     """Reject knob combinations NSA cannot run, saying how to fix them."""
+    if not branches or set(branches) - set(BRANCH_NAMES):
+        raise ValueError(f"branches={list(branches)} must name at least one of {', '.join(BRANCH_NAMES)}: "
+                         "set model.branches")
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads} (GQA groups): change model.kv_heads")
     for name, value in (("sliding_window_size", window), ("compress_block_size", block),

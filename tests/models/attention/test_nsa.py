@@ -231,10 +231,31 @@ def test_lengths_not_multiples_of_blocks_give_finite_gradients(n):
     (dict(kv_heads=3), "multiple of kv_heads"),
     (dict(compress_stride=8), "compress_stride"),
     (dict(num_fine_selected=0), "num_fine_selected"),
+    (dict(branches=()), "model.branches"),
+    (dict(branches=("window", "local")), "model.branches"),
 ])
 def test_invalid_knobs_say_how_to_fix_them(bad, message):
     with pytest.raises(ValueError, match=message):
         tiny_nsa(**bad)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_branch_left_out_adds_nothing_and_learns_nothing(kernel):
+    """branches=(selected, window): the compressed values may be anything, and nothing of the
+    compressed branch's own (its value compressor) gets a gradient; its keys still rank blocks."""
+    tokens = torch.randint(0, 64, (2, 30))
+    model = tiny_nsa(branches=("selected", "window"), kernel=kernel, num_fine_selected=4).train()
+    out = model(tokens)
+    out.square().mean().backward()
+    for layer in model.blocks:
+        compressor = layer.attn.compress_v
+        assert all(p.grad is None or not p.grad.any() for p in compressor.parameters())
+        with torch.no_grad():
+            compressor.w2.normal_()
+    with torch.no_grad():
+        assert torch.allclose(model(tokens), out, atol=1e-6)
+        whole = tiny_nsa(kernel=kernel, num_fine_selected=4).train()
+        assert not torch.allclose(whole(tokens), out, atol=1e-3)  # the same weights with every branch
 
 
 def _selected_branch(attn, diff_topk):
