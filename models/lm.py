@@ -9,7 +9,7 @@ to the backbone unchanged.
 from functools import partial
 
 from models.attention.dense import DenseAttention
-from models.attention.nsa import NativeSparseAttention
+from models.attention.nsa import BRANCH_NAMES, NativeSparseAttention
 from models.attention.routing import RoutingAttention
 from models.attention.sinkhorn import SinkhornAttention
 from models.transformer import TransformerLM
@@ -32,7 +32,7 @@ def nsa_lm(
     num_fine_selected: int,
     compress_hidden_mult: float = 1.0,
     diff_topk: bool = False,
-    branches=("compressed", "selected", "window"),
+    branches=BRANCH_NAMES,
     kernel="auto",
     attn_dropout: float = 0.0,
     **backbone,

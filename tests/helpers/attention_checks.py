@@ -24,7 +24,11 @@ def logits_with_embedding(model, tokens):
 
 def assert_causal_by_perturbation(model, tokens, t, *, seed=0):
     """Changing every token after t leaves the logits at <= t unchanged (same random state for
-    dropout and noise in both passes), and does change some later logit."""
+    dropout and noise in both passes), and does change some later logit.
+
+    Unchanged to 1e-12, not to the bit: Routing sorts tokens by cluster, so a later token that moves
+    to another cluster regroups the products an earlier query's scores come from, and on some CPUs'
+    BLAS (an AMD EPYC here) that moves the float64 logits by 1e-16. A leak moves them by far more."""
     changed = tokens.clone()
     vocab = model.num_tokens
     tail = changed[:, t + 1 :]
@@ -33,7 +37,8 @@ def assert_causal_by_perturbation(model, tokens, t, *, seed=0):
     base = model(tokens)
     torch.manual_seed(seed)
     out = model(changed)
-    assert torch.equal(out[:, : t + 1], base[:, : t + 1]), f"logits at <= {t} moved when later tokens changed"
+    moved = (out[:, : t + 1] - base[:, : t + 1]).abs().max().item()
+    assert moved <= 1e-12, f"logits at <= {t} moved by {moved:.3g} when later tokens changed"
     if t + 1 < tokens.shape[1]:
         assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :]), "the perturbation changed nothing"
 
