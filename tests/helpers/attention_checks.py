@@ -37,7 +37,8 @@ def assert_causal_by_perturbation(model, tokens, t, *, seed=0):
     base = model(tokens)
     torch.manual_seed(seed)
     out = model(changed)
-    moved = (out[:, : t + 1] - base[:, : t + 1]).abs().max().item()
+    before, after = base[:, : t + 1], out[:, : t + 1]
+    moved = torch.where(after == before, 0.0, (after - before).abs()).max().item()  # masked logits: -inf in both
     assert moved <= 1e-12, f"logits at <= {t} moved by {moved:.3g} when later tokens changed"
     if t + 1 < tokens.shape[1]:
         assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :]), "the perturbation changed nothing"
