@@ -84,8 +84,9 @@ class Selection:
 
 @contextmanager
 def recording_selection(model: nn.Module) -> Iterator[list[Selection]]:
-    """Within it, each NSA layer of `model` appends the blocks it selects in every forward from
-    position 0 without gradient (inference, validation) to the list it yields, layer by layer."""
+    """Within it, each NSA layer of `model` appends the blocks it selects in every forward without a
+    cache through its one-go path (inference and validation; a diff_topk training step too, once for
+    its forward and once for its recomputation) to the list it yields, layer by layer."""
     layers = [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
     records: list[Selection] = []
     for layer in layers:
