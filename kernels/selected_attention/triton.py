@@ -3,25 +3,30 @@
 Group-centric, as the paper's kernel: one program per (batch * kv_head, query position) loads all
 query heads of the GQA group at that position together and walks the position's selected blocks,
 each key/value block fetched once for the whole group. Online softmax (running max and sum); the
-log-sum-exp is saved for the backward pass. The backward program recomputes the probabilities
-from it and writes dq directly, while dk and dv, which several positions share, are accumulated
-in fp32 with atomic adds (no races; the order of additions, and so the last bits, may vary).
-Optional per-slot weights scale each slot's share of the output (NSA's differentiable selection);
-their gradient is written per (position, slot).
+log-sum-exp is saved for the backward pass. The backward recomputes the probabilities from it in
+two kernels and adds nothing atomically (its results are the same to the bit on every run):
+one program per query position writes dq (and the slot weights' gradient); one program per key
+block writes that block's dk and dv, walking the (query, slot) pairs that chose it through a
+reverse index (the pairs sorted by block), a tile of queries at a time. The tile holds
+queries x group rows, so a small group fills a tensor-core tile with several queries instead of
+padding rows of zeros. Optional per-slot weights scale each slot's share of the output (NSA's
+differentiable selection).
 
 Inner products are tensor-core tiles (tl.dot, fp32 accumulation, IEEE precision for fp32 inputs)
 when the block and dim_head are at least 16, the group padded to 16 rows; smaller shapes use a
 broadcast multiply-and-sum. Constraints, checked before launch: dim_head <= 256 and a power of two
-(32, 64, 128 in practice), group <= 64, block <= 128 and a power of two. Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (slow:
-the tests use tiny shapes).
+(32, 64, 128 in practice), group <= 64, block <= 128 and a power of two. Runs on CUDA tensors, or
+on CPU tensors under TRITON_INTERPRET=1 (slow: the tests use tiny shapes).
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kernels import flops, triton_interpreting
+from kernels.triton_tiles import pv, qk, tiles_usable
 
 
 def check_supported(q: Tensor, block: int) -> None:
@@ -38,22 +43,6 @@ def check_supported(q: Tensor, block: int) -> None:
     if problems:
         raise ValueError("the Triton selected-attention kernel cannot run this: " + "; ".join(problems)
                          + ". Use model.kernel=torch")
-
-
-@triton.jit
-def _qk(a, b, USE_DOT: tl.constexpr):
-    """a [M, D] . b [N, D]^T -> [M, N] in fp32: a tensor-core tile when the shapes allow it."""
-    if USE_DOT:
-        return tl.dot(a, tl.trans(b), input_precision="ieee" if a.dtype == tl.float32 else None)
-    return tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
-
-
-@triton.jit
-def _pv(p, v, USE_DOT: tl.constexpr):
-    """p [M, N] @ v [N, D] -> [M, D] in fp32."""
-    if USE_DOT:
-        return tl.dot(p.to(v.dtype), v, input_precision="ieee" if v.dtype == tl.float32 else None)
-    return tl.sum(p.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
 
 @triton.jit
@@ -90,7 +79,7 @@ def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale
     for s in range(num_selected):
         k, v, key_ok, kv_off = _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D,
                                                BLOCK)
-        scores = _qk(q, k, USE_DOT) * scale  # [GP, BLOCK]
+        scores = qk(q, k, USE_DOT) * scale  # [GP, BLOCK]
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep everything at 0
@@ -99,7 +88,7 @@ def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale
         l = l * alpha + tl.sum(p, axis=1)
         if WEIGHTED:  # the slot's share of the output, not of the normaliser
             p = p * tl.load(W + (bh * seq_q + row) * num_selected + s).to(tl.float32)
-        acc = acc * alpha[:, None] + _pv(p, v, USE_DOT)
+        acc = acc * alpha[:, None] + pv(p, v, USE_DOT)
         m = m_new
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]  # fp32 until the store
@@ -110,9 +99,9 @@ def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale
 
 
 @triton.jit
-def _backward(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DK, DV, DW, start, seq_k, num_selected, scale,
-              G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
-              WEIGHTED: tl.constexpr):
+def _backward_q(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DW, start, seq_k, num_selected, scale,
+                G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
+                WEIGHTED: tl.constexpr):
     row = tl.program_id(0)
     bh = tl.program_id(1)
     seq_q = tl.num_programs(0)
@@ -131,29 +120,86 @@ def _backward(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DK, DV, DW, start, s
     for s in range(num_selected):
         k, v, key_ok, kv_off = _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D,
                                                BLOCK)
-        scores = _qk(q, k, USE_DOT) * scale
+        scores = qk(q, k, USE_DOT) * scale
         p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [GP, BLOCK]
-        dp = _qk(do, v, USE_DOT)
-        pw = p
+        dp = qk(do, v, USE_DOT)
         if WEIGHTED:  # out = sum_s w_s P_s V_s: w_s gets sum(P_s * dP_s)
             slot = (bh * seq_q + row) * num_selected + s
-            w = tl.load(W + slot).to(tl.float32)
             tl.store(DW + slot, tl.sum(tl.sum(p * dp, axis=1), axis=0))
-            pw, dp = p * w, dp * w
-        ds = p * (dp - delta[:, None]) * scale
-        dq += _pv(ds, k, USE_DOT)
-        dk = _pv(tl.trans(ds), q, USE_DOT)  # [BLOCK, D]
-        dv = _pv(tl.trans(pw), do, USE_DOT)
-        tl.atomic_add(DK + kv_off, dk, mask=key_ok[:, None])
-        tl.atomic_add(DV + kv_off, dv, mask=key_ok[:, None])
-    tl.store(DQ + rows, dq.to(DQ.dtype.element_ty), mask=g_ok[:, None])
+            dp = dp * tl.load(W + slot).to(tl.float32)
+        dq += pv(p * (dp - delta[:, None]), k, USE_DOT)
+    tl.store(DQ + rows, (dq * scale).to(DQ.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
+def _backward_kv(Q, K, V, W, DOUT, LSE, DELTA, DK, DV, FIRST, PAIR_ROW, PAIR_SLOT, start, seq_q, seq_k, num_selected,
+                 num_blocks, scale, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr,
+                 BQ: tl.constexpr, USE_DOT: tl.constexpr, WEIGHTED: tl.constexpr):
+    """One key block's dk, dv [BLOCK, D] from the (query, slot) pairs that chose it:
+    PAIR_ROW/PAIR_SLOT[FIRST[b] : FIRST[b + 1]] for block b = bh * num_blocks + key block."""
+    key_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh * num_blocks + key_block
+    j = tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    g = tl.arange(0, GP)
+    key_pos = key_block * BLOCK + j
+    kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
+    in_seq = key_pos < seq_k
+    k = tl.load(K + kv_off, mask=in_seq[:, None], other=0.0)
+    v = tl.load(V + kv_off, mask=in_seq[:, None], other=0.0)
+    dk = tl.zeros([BLOCK, D], tl.float32)
+    dv = tl.zeros([BLOCK, D], tl.float32)
+    pairs_end = tl.load(FIRST + b + 1)
+    for p0 in range(tl.load(FIRST + b), pairs_end, BQ):
+        pair = p0 + tl.arange(0, BQ)
+        pair_ok = pair < pairs_end
+        row = tl.load(PAIR_ROW + pair, mask=pair_ok, other=0)  # [BQ] query positions
+        head = ((bh * seq_q + row[:, None]) * G + g[None, :])  # [BQ, GP] rows of q, lse, delta
+        ok = pair_ok[:, None] & (g[None, :] < G)
+        q = tl.reshape(tl.load(Q + head[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0),
+                       (BQ * GP, D))
+        do = tl.reshape(tl.load(DOUT + head[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0),
+                        (BQ * GP, D))
+        lse = tl.load(LSE + head, mask=ok, other=0.0)
+        lse = tl.reshape(tl.where(lse == float("-inf"), 0.0, lse), (BQ * GP,))
+        delta = tl.reshape(tl.load(DELTA + head, mask=ok, other=0.0), (BQ * GP,))
+        # a key counts for a pair where it is at or before the query (and in the sequence)
+        visible = ok[:, :, None] & (key_pos[None, None, :] <= start + row[:, None, None]) & in_seq[None, None, :]
+        visible = tl.reshape(visible, (BQ * GP, BLOCK))
+        scores = qk(q, k, USE_DOT) * scale
+        p = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)  # [BQ * GP, BLOCK]
+        dp = qk(do, v, USE_DOT)
+        if WEIGHTED:
+            slot = tl.load(PAIR_SLOT + pair, mask=pair_ok, other=0)
+            w = tl.load(W + (bh * seq_q + row) * num_selected + slot, mask=pair_ok, other=0.0).to(tl.float32)
+            w = tl.reshape(tl.broadcast_to(w[:, None], (BQ, GP)), (BQ * GP,))
+            dv += pv(tl.trans(p * w[:, None]), do, USE_DOT)
+            dp = dp * w[:, None]
+        else:
+            dv += pv(tl.trans(p), do, USE_DOT)
+        dk += pv(tl.trans(p * (dp - delta[:, None])), q, USE_DOT)
+    tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=in_seq[:, None])
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=in_seq[:, None])
+
+
+def _reverse_index(indices: Tensor, valid: Tensor, num_blocks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The (query, slot) pairs that chose each key block: indices, valid [bh, m, slots] ->
+    first [bh * num_blocks + 1] (block b's pairs are first[b]:first[b + 1]), and each pair's query
+    position and slot [pairs], sorted by block."""
+    bh, m, slots = indices.shape
+    block = indices + torch.arange(bh, device=indices.device)[:, None, None] * num_blocks
+    block = block.masked_fill(~valid, bh * num_blocks).flatten()  # unused slots sort last
+    order = torch.argsort(block, stable=True)[: int(valid.sum())]
+    counts = torch.bincount(block[order], minlength=bh * num_blocks)
+    first = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+    return first, ((order // slots) % m).to(torch.int32), (order % slots).to(torch.int32)
 
 
 def _launch_args(q: Tensor, k: Tensor, indices: Tensor, start: int, block: int, weights):
     bh, m, group, dim = q.shape
-    # tensor-core tiles need every side >= 16: the group is padded up to 16 rows when they are used.
-    # Triton's interpreter computes bf16 tl.dot wrongly (no bf16 in numpy): there bf16 uses the sums
-    use_dot = block >= 16 and dim >= 16 and not (triton_interpreting() and q.dtype == torch.bfloat16)
+    # tensor-core tiles need every side >= 16: the group is padded up to 16 rows when they are used
+    use_dot = tiles_usable(q.dtype, block, dim)
     padded = triton.next_power_of_2(group)
     meta = dict(G=group, D=dim, BLOCK=block, GP=max(16 if use_dot else 2, padded), USE_DOT=use_dot)
     meta["WEIGHTED"] = weights is not None
@@ -187,13 +233,20 @@ class TritonSelectedAttention(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), minus the lse's own gradient
         if dlse is not None:
             delta = delta - dlse.float()
-        dq = torch.empty_like(q)
-        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+        delta = delta.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # every key block has a program
         grid, scalars, meta = _launch_args(q, k, indices, ctx.start, ctx.block, weights)
-        if q.shape[1]:
-            _backward[grid](q, k, v, indices, valid, w, dout, lse, delta.contiguous(), dq, dk, dv, dw, *scalars,
-                            **meta)
+        bh, m, group, dim = q.shape
+        if m:
+            _backward_q[grid](q, k, v, indices, valid, w, dout, lse, delta, dq, dw, *scalars, **meta)
+            num_blocks = triton.cdiv(k.shape[1], ctx.block)
+            first, pair_row, pair_slot = _reverse_index(indices, valid.bool(), num_blocks)
+            # queries per tile: the tile's rows (queries x padded group) at least 16 for tensor cores
+            rows = triton.next_power_of_2(group) if meta["USE_DOT"] else meta["GP"]
+            meta = dict(meta, GP=rows, BQ=max(1, 64 // rows))
+            start, seq_k, num_selected, scale = scalars
+            _backward_kv[(num_blocks, bh)](q, k, v, w, dout, lse, delta, dk, dv, first, pair_row, pair_slot, start,
+                                           m, seq_k, num_selected, num_blocks, scale, **meta)
         flops.attention(ctx.pairs, q.shape[2], q.shape[-1], backward=True)
         dweights = None if weights is None else dw.to(weights.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dweights
+        return dq, dk, dv, None, None, None, None, dweights

@@ -21,7 +21,11 @@ Cost per query: n / d compressed keys, n selected blocks and w window keys; noth
 with the sequence. In training the compressed branch and the window are fused attention, the
 forced blocks run as tiled attention over [initial | previous | own] tiles
 (models/attention/tiled.py), the freely chosen blocks are gathered (kernels/selected_attention/),
-and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the CPU
+and each branch is recomputed in the backward pass, so a layer keeps O(n) memory. On the Triton
+kernels (kernel auto on CUDA, or triton) the compressed branch's attention and block selection come
+from one scoring of the compressed keys, as on the CPU kernels below (kernels/compressed_attention/
+triton.py): its output and log-sum-exp are kept, the selection recomputes the probabilities from
+them. On the CPU
 (kernel auto or cpu), C kernels take over: block selection is one pass per query from its
 compressed scores to its chosen blocks (kernels/compressed_attention/selection.c), which
 also gives the compressed branch's output from the same probabilities (the paper's reuse: each
@@ -51,7 +55,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from kernels import at_least_fp32, triton_runnable
 from kernels import span_attention as spans
 from kernels.compressed_attention import (block_selection, causal_block_attention, compressed_attention,
-                                          cpu_compressed_selection, cpu_selection_available)
+                                          cpu_compressed_selection, cpu_selection_available, fused_selection_kernel,
+                                          triton_compressed_selection)
 from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
@@ -225,6 +230,14 @@ class NativeSparseAttention(nn.Module):
             out = torch.sigmoid(gates[0]) * out_cmp.view_as(q)
             local = self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)
             return out.add_(local)  # in place: the product's backward needs its inputs, not its output
+        if fused_selection_kernel(q, self.kernel) == "triton":  # the same one pass, as Triton kernels
+            kc, vc = recomputed(self._compress, k_cmp, v_cmp)
+            out_cmp, scores, indices = triton_compressed_selection(
+                q, kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
+                self.fine_block, self._num_forced(), self._num_free(k_cmp.shape[2]))
+            out = torch.sigmoid(gates[0]) * out_cmp.view_as(q)
+            out = out + checkpoint(self._selected_part, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
+            return out + checkpoint(self._window_part, q, k_win, v_win, gates[2], use_reentrant=False)
         scores, indices = self._selection(q, k_cmp)
         # plain checkpoints, inside a reversible stack's recomputation too: there they hold its
         # backward to one branch's activations at a time (2k, kernel=torch: 111.5 against 117.1 MB)
@@ -318,8 +331,7 @@ class NativeSparseAttention(nn.Module):
         """Whether block selection, the selected and the window branches from position 0 run on the
         CPU kernels (kernels/compressed_attention/selection.c, kernels/span_attention/): kernel
         auto or cpu, a CPU tensor they compute in fp32 without loss, and kernels built for this CPU."""
-        return (self.kernel in ("auto", "cpu") and q.device.type == "cpu" and q.dtype in spans.KERNEL_DTYPES
-                and spans.available() and cpu_selection_available())
+        return fused_selection_kernel(q, self.kernel) == "cpu" and q.dtype in spans.KERNEL_DTYPES and spans.available()
 
     # ---- selected branch -------------------------------------------------------------------------
 

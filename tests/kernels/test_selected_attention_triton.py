@@ -22,6 +22,9 @@ CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, block, selected, dtype)
     (2, 40, 40, 2, 32, 16, 3, torch.float32),  # tensor-core tiles (block and dim_head >= 16)
     (1, 37, 37, 4, 64, 16, 2, torch.float16),  # tiles in fp16, length not a multiple of the block
     (1, 37, 37, 4, 64, 16, 2, torch.bfloat16),  # bf16 (tiles on a GPU; sums in the interpreter)
+    (1, 35, 35, 1, 128, 16, 3, torch.float32),  # tiles, group of 1: a backward tile of 64 queries
+    (1, 34, 34, 16, 64, 16, 3, torch.float32),  # tiles, group of 16: a backward tile of 4 queries
+    (2, 29, 29, 2, 128, 16, 2, torch.bfloat16),
 ]
 
 
