@@ -143,23 +143,29 @@ def fused_selection_kernel(q: Tensor, kernel: str) -> Optional[str]:
     """Which kernel gives a training step's compressed attention and block selection from one
     scoring of the compressed keys, for queries q under model.kernel `kernel`: "cpu" (selection.c:
     auto or cpu, a CPU tensor of at most fp32, a C compiler here), "triton" (triton, or auto on
-    CUDA), or None (the chunked torch pass and fused attention serve)."""
+    CUDA where dim_head suits the kernels), or None (the chunked torch pass and fused attention
+    serve)."""
     if kernel in ("auto", "cpu") and q.device.type == "cpu":
         return "cpu" if q.dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_selection_available() else None
-    if kernel == "triton" or (kernel == "auto" and q.is_cuda):
+    if kernel == "triton" or (kernel == "auto" and q.is_cuda and triton_dim_supported(q.shape[-1])):
         return "triton"
     return None
+
+
+def triton_dim_supported(dim_head: int) -> bool:
+    """Whether the Triton flash kernels take this dim_head (a power of two from 16 to 256)."""
+    return 16 <= dim_head <= 256 and not dim_head & (dim_head - 1)
 
 
 def triton_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int, fine_block: int,
                                 forced: int, free: int) -> tuple[Tensor, Tensor, Tensor]:
     """cpu_compressed_selection's results (shapes and meaning alike) from the Triton kernels: the
     attention passes gradient to q, kc and vc; the scores and indices pass none."""
-    from kernels.compressed_attention.triton import TritonCompressedAttention, triton_selection
+    from kernels.compressed_attention.triton import triton_compressed_attention, triton_selection
 
     *lead, g, m, d = q.shape
     q = q.reshape(-1, g, m, d)
-    out, lse = TritonCompressedAttention.apply(q, kc, vc, 0, block, stride)
+    out, lse = triton_compressed_attention(q, kc, vc, 0, block, stride)
     scores, indices = triton_selection(q.detach(), kc.detach(), lse, 0, block, stride, fine_block, forced, free)
     return out, scores, indices
 

@@ -1,12 +1,9 @@
 """NSA's compressed attention and block selection as Triton kernels (the CUDA path), the results
 of naive.py's definitions.
 
-    TritonCompressedAttention  flash attention over the compressed blocks complete by each query,
-        the block-causal mask built from positions (block c is visible to position t once
-        c * stride + block - 1 <= t), its log-sum-exp saved. The backward recomputes the
-        probabilities from it in two kernels without atomic adds: one program per tile of
-        compressed blocks walks the queries that see them (dk, dv), one per tile of queries walks
-        their blocks (dq).
+    triton_compressed_attention  flash attention over the compressed blocks complete by each query
+        (kernels/triton_flash.py with the block-causal mask built from positions), its log-sum-exp
+        saved; the backward adds nothing atomically.
     triton_selection  each query's importance per fine block (its group's probabilities, recomputed
         from that log-sum-exp, spread onto fine blocks by token overlap) and its `free` most
         important fine blocks besides the forced ones, in one program per (query, batch * kv head):
@@ -23,186 +20,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import flops, triton_interpreting
-from kernels.triton_tiles import pv, qk, tiles_usable
-
-_TILE = 16  # queries and compressed blocks per tile: tensor-core tiles need 16
+from kernels.triton_flash import COMPRESSED, PositionalFlashAttention, check_supported, complete
+from kernels.triton_tiles import qk, tiles_usable
 
 
-def check_supported(q: Tensor) -> None:
-    dim = q.shape[-1]
-    problems = []
-    if dim < 16 or dim > 256 or dim & (dim - 1):
-        problems.append(f"dim_head={dim} must be a power of two from 16 to 256")
-    if not (q.is_cuda or triton_interpreting()):
-        problems.append("the tensors must be on a CUDA device (or set TRITON_INTERPRET=1 to run on the CPU)")
-    if problems:
-        raise ValueError("the Triton compressed-attention kernels cannot run this: " + "; ".join(problems)
-                         + ". Use model.kernel=torch")
-
-
-@triton.jit
-def _complete(t, BLOCK_C: tl.constexpr, STRIDE: tl.constexpr, num_blocks):
-    """How many compressed blocks are complete at position(s) t."""
-    return tl.minimum(tl.where(t + 1 >= BLOCK_C, (t + 1 - BLOCK_C) // STRIDE + 1, 0), num_blocks)
-
-
-@triton.jit
-def _forward(Q, KC, VC, OUT, LSE, start, seq_q, num_blocks, scale,
-             D: tl.constexpr, BLOCK_C: tl.constexpr, STRIDE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             USE_DOT: tl.constexpr):
-    tile, head, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    group = tl.num_programs(1)
-    rows = tile * BM + tl.arange(0, BM)
-    row_ok = rows < seq_q
-    seen = _complete(start + rows, BLOCK_C, STRIDE, num_blocks)  # [BM]
-    d = tl.arange(0, D)
-    q_off = ((bh * group + head) * seq_q + rows[:, None]) * D + d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-    m = tl.full([BM], float("-inf"), tl.float32)
-    l = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, D], tl.float32)
-    last = _complete(start + tl.minimum(tile * BM + BM, seq_q) - 1, BLOCK_C, STRIDE, num_blocks)
-    for n0 in range(0, last, BN):  # only the blocks the tile's last query sees
-        cols = n0 + tl.arange(0, BN)
-        kv_off = (bh * num_blocks + cols[:, None]) * D + d[None, :]
-        k = tl.load(KC + kv_off, mask=cols[:, None] < num_blocks, other=0.0)
-        v = tl.load(VC + kv_off, mask=cols[:, None] < num_blocks, other=0.0)
-        scores = tl.where(cols[None, :] < seen[:, None], qk(q, k, USE_DOT) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no block yet: keep everything at 0
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pv(p, v, USE_DOT)
-        m = m_new
-    has_blocks = l > 0
-    out = acc / tl.where(has_blocks, l, 1.0)[:, None]
-    lse = tl.where(has_blocks, m + tl.log(tl.where(has_blocks, l, 1.0)), float("-inf"))
-    tl.store(OUT + q_off, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + (bh * group + head) * seq_q + rows, lse, mask=row_ok)
+def triton_compressed_attention(q: Tensor, kc: Tensor, vc: Tensor, start: int, block: int,
+                                stride: int) -> tuple[Tensor, Tensor]:
+    """q [bh, g, seq_q, d], kc, vc [bh, blocks, d] (blocks from 0), queries from position `start` ->
+    out [bh, g, seq_q, d] (zeros where no block is complete yet), passing gradient to q, kc and vc,
+    and lse [bh, g, seq_q] (fp32, -inf there)."""
+    return PositionalFlashAttention.apply(q, kc, vc, start, COMPRESSED, block, stride)
 
 
 @triton.jit
 def _probabilities(q, k, lse, cols, seen, scale, USE_DOT: tl.constexpr):
-    """Recomputed softmax probabilities [BM, BN] of queries q [BM, D] over blocks k [BN, D]; 0 where
-    a block is not yet complete or the query sees none (lse -inf)."""
+    """Recomputed probabilities [GP, BC] of a query's heads q [GP, D] over blocks k [BC, D]; 0 where
+    a block is not yet complete or the head sees none (lse -inf)."""
     lse = tl.where(lse == float("-inf"), 0.0, lse)
-    visible = cols[None, :] < seen[:, None]
-    return tl.where(visible, tl.exp(qk(q, k, USE_DOT) * scale - lse[:, None]), 0.0)
-
-
-@triton.jit
-def _backward_kv(Q, KC, VC, DOUT, LSE, DELTA, DKC, DVC, start, seq_q, num_blocks, scale, group,
-                 D: tl.constexpr, BLOCK_C: tl.constexpr, STRIDE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 USE_DOT: tl.constexpr):
-    tile, bh = tl.program_id(0), tl.program_id(1)
-    cols = tile * BN + tl.arange(0, BN)
-    d = tl.arange(0, D)
-    kv_off = (bh * num_blocks + cols[:, None]) * D + d[None, :]
-    col_ok = cols[:, None] < num_blocks
-    k = tl.load(KC + kv_off, mask=col_ok, other=0.0)
-    v = tl.load(VC + kv_off, mask=col_ok, other=0.0)
-    dk = tl.zeros([BN, D], tl.float32)
-    dv = tl.zeros([BN, D], tl.float32)
-    first = tl.maximum(tile * BN * STRIDE + BLOCK_C - 1 - start, 0)  # the first query that sees the tile
-    for head in range(group):
-        for m0 in range(first, seq_q, BM):
-            rows = m0 + tl.arange(0, BM)
-            row_ok = rows < seq_q
-            row = (bh * group + head) * seq_q + rows
-            q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-            do = tl.load(DOUT + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-            lse = tl.load(LSE + row, mask=row_ok, other=float("-inf"))
-            delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-            seen = _complete(start + rows, BLOCK_C, STRIDE, num_blocks)
-            p = _probabilities(q, k, lse, cols, seen, scale, USE_DOT)  # [BM, BN]
-            dv += pv(tl.trans(p), do, USE_DOT)
-            ds = p * (qk(do, v, USE_DOT) - delta[:, None])
-            dk += pv(tl.trans(ds), q, USE_DOT)
-    tl.store(DKC + kv_off, (dk * scale).to(DKC.dtype.element_ty), mask=col_ok)
-    tl.store(DVC + kv_off, dv.to(DVC.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _backward_q(Q, KC, VC, DOUT, LSE, DELTA, DQ, start, seq_q, num_blocks, scale,
-                D: tl.constexpr, BLOCK_C: tl.constexpr, STRIDE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                USE_DOT: tl.constexpr):
-    tile, head, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    group = tl.num_programs(1)
-    rows = tile * BM + tl.arange(0, BM)
-    row_ok = rows < seq_q
-    row = (bh * group + head) * seq_q + rows
-    d = tl.arange(0, D)
-    q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DOUT + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + row, mask=row_ok, other=float("-inf"))
-    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-    seen = _complete(start + rows, BLOCK_C, STRIDE, num_blocks)
-    dq = tl.zeros([BM, D], tl.float32)
-    last = _complete(start + tl.minimum(tile * BM + BM, seq_q) - 1, BLOCK_C, STRIDE, num_blocks)
-    for n0 in range(0, last, BN):
-        cols = n0 + tl.arange(0, BN)
-        kv_off = (bh * num_blocks + cols[:, None]) * D + d[None, :]
-        k = tl.load(KC + kv_off, mask=cols[:, None] < num_blocks, other=0.0)
-        v = tl.load(VC + kv_off, mask=cols[:, None] < num_blocks, other=0.0)
-        p = _probabilities(q, k, lse, cols, seen, scale, USE_DOT)
-        ds = p * (qk(do, v, USE_DOT) - delta[:, None])
-        dq += pv(ds, k, USE_DOT)
-    tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
-
-
-def _meta(q: Tensor, block: int, stride: int) -> dict:
-    return dict(D=q.shape[-1], BLOCK_C=block, STRIDE=stride, BM=_TILE, BN=_TILE,
-                USE_DOT=tiles_usable(q.dtype, _TILE, q.shape[-1]))
-
-
-def _visible_pairs(m: int, start: int, blocks: int, block: int, stride: int) -> int:
-    """(query, block) pairs with the block complete by the query, summed over queries start.."""
-    t = torch.arange(start, start + m)
-    return int(((t + 1 - block).div(stride, rounding_mode="floor") + 1).clamp(0, blocks).sum())
-
-
-class TritonCompressedAttention(torch.autograd.Function):
-    """q [bh, g, seq_q, d], kc, vc [bh, blocks, d] (blocks from 0), queries from position `start` ->
-    out [bh, g, seq_q, d] (zeros where no block is complete yet) and lse [bh, g, seq_q] (fp32, -inf
-    there)."""
-
-    @staticmethod
-    def forward(ctx, q, kc, vc, start, block, stride):
-        check_supported(q)
-        q, kc, vc = q.contiguous(), kc.to(q.dtype).contiguous(), vc.to(q.dtype).contiguous()
-        bh, g, m, d = q.shape
-        out = torch.empty_like(q)
-        lse = torch.empty(bh, g, m, device=q.device, dtype=torch.float32)
-        if m:
-            _forward[(triton.cdiv(m, _TILE), g, bh)](q, kc, vc, out, lse, start, m, kc.shape[1], d**-0.5,
-                                                     **_meta(q, block, stride))
-        ctx.save_for_backward(q, kc, vc, out, lse)
-        ctx.knobs = start, block, stride
-        ctx.pairs = lambda: bh * _visible_pairs(m, start, kc.shape[1], block, stride)
-        flops.attention(ctx.pairs, g, d)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, kc, vc, out, lse = ctx.saved_tensors
-        start, block, stride = ctx.knobs
-        bh, g, m, d = q.shape
-        dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dO * O)
-        dq, dkc, dvc = torch.empty_like(q), torch.empty_like(kc), torch.empty_like(vc)
-        meta = _meta(q, block, stride)
-        blocks = kc.shape[1]
-        if blocks:
-            _backward_kv[(triton.cdiv(blocks, _TILE), bh)](q, kc, vc, dout, lse, delta, dkc, dvc, start, m, blocks,
-                                                          d**-0.5, g, **meta)
-        if m:
-            _backward_q[(triton.cdiv(m, _TILE), g, bh)](q, kc, vc, dout, lse, delta, dq, start, m, blocks, d**-0.5,
-                                                       **meta)
-        flops.attention(ctx.pairs, g, d, backward=True)
-        return dq, dkc, dvc, None, None, None
+    return tl.where(cols[None, :] < seen, tl.exp(qk(q, k, USE_DOT) * scale - lse[:, None]), 0.0)
 
 
 @triton.jit
@@ -217,7 +52,7 @@ def _selection(Q, KC, LSE, SCORES, INDICES, start, seq_q, num_blocks, scale,
     g_ok = g < G
     q = tl.load(Q + ((bh * G + g[:, None]) * seq_q + row) * D + d[None, :], mask=g_ok[:, None], other=0.0)
     lse = tl.load(LSE + (bh * G + g) * seq_q + row, mask=g_ok, other=float("-inf"))
-    seen = _complete(t, BLOCK_C, STRIDE, num_blocks)
+    seen = complete(t, BLOCK_C, STRIDE, num_blocks)
     own = t // FINE
     slot = tl.arange(0, KP)
     top_score = tl.full([KP], float("-inf"), tl.float32)
@@ -228,7 +63,7 @@ def _selection(Q, KC, LSE, SCORES, INDICES, start, seq_q, num_blocks, scale,
         reach = f0 * FINE - BLOCK_C
         cols = tl.where(reach >= 0, reach // STRIDE + 1, 0) + tl.arange(0, BC)
         k = tl.load(KC + (bh * num_blocks + cols[:, None]) * D + d[None, :], mask=cols[:, None] < seen, other=0.0)
-        probs = _probabilities(q, k, lse, cols, tl.zeros([GP], tl.int32) + seen, scale, USE_DOT)  # [GP, BC]
+        probs = _probabilities(q, k, lse, cols, seen, scale, USE_DOT)  # [GP, BC]
         per_block = tl.sum(tl.where(g_ok[:, None], probs, 0.0), axis=0)  # the group's sum, [BC]
         # token overlap of compressed block c with fine block f, as a share of the compressed block
         lo = tl.maximum(cols[:, None] * STRIDE, fine[None, :] * FINE)
@@ -269,12 +104,12 @@ def triton_selection(q: Tensor, kc: Tensor, lse: Tensor, start: int, block: int,
 
     q        [batch_kv, group, seq_q, dim_head]  queries from position `start`
     kc       [batch_kv, blocks, dim_head]        compressed keys, blocks from 0
-    lse      [batch_kv, group, seq_q]            TritonCompressedAttention's log-sum-exp
+    lse      [batch_kv, group, seq_q]            triton_compressed_attention's log-sum-exp
     returns  scores, indices [batch_kv, seq_q, free]: importance (the group's probability mass on
              the fine block, by token overlap) and fine-block index, most important first, ties to
              the earlier block; score -inf (index 0) where no block is left for a slot
     """
-    check_supported(q)
+    check_supported(q, "block-selection")
     q, kc, lse = q.contiguous(), kc.to(q.dtype).contiguous(), lse.float().contiguous()
     bh, g, m, d = q.shape
     scores = torch.empty(bh, m, free, device=q.device, dtype=torch.float32)

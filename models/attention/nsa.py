@@ -25,7 +25,7 @@ and each branch is recomputed in the backward pass, so a layer keeps O(n) memory
 kernels (kernel auto on CUDA, or triton) the compressed branch's attention and block selection come
 from one scoring of the compressed keys, as on the CPU kernels below (kernels/compressed_attention/
 triton.py): its output and log-sum-exp are kept, the selection recomputes the probabilities from
-them. On the CPU
+them; the window is the same flash kernel with a window mask (kernels/window_attention/). On the CPU
 (kernel auto or cpu), C kernels take over: block selection is one pass per query from its
 compressed scores to its chosen blocks (kernels/compressed_attention/selection.c), which
 also gives the compressed branch's output from the same probabilities (the paper's reuse: each
@@ -56,8 +56,9 @@ from kernels import at_least_fp32, triton_runnable
 from kernels import span_attention as spans
 from kernels.compressed_attention import (block_selection, causal_block_attention, compressed_attention,
                                           cpu_compressed_selection, cpu_selection_available, fused_selection_kernel,
-                                          triton_compressed_selection)
+                                          triton_compressed_selection, triton_dim_supported)
 from kernels.selected_attention import selected_attention
+from kernels.window_attention import triton_window_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
 from models.recompute import RecomputedLayers, recomputation_pays, recomputed
@@ -164,7 +165,7 @@ class NativeSparseAttention(nn.Module):
         kernel: str = "auto",
     ):
         super().__init__()
-        _check(heads, kv_heads, sliding_window_size, compress_block_size, compress_stride, fine_block_size,
+        _check(heads, kv_heads, dim_head, sliding_window_size, compress_block_size, compress_stride, fine_block_size,
                num_fine_selected, kernel, branches)
         # an ablation: the gates of the branches left out are held at 0 (sigmoid of -inf), so they add
         # nothing and pass no gradient
@@ -460,6 +461,9 @@ class NativeSparseAttention(nn.Module):
             out, _ = spans.span_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
                                           self._window_spans(m, q.device))
             return out.view_as(q)
+        if start == 0 and dropout == 0.0 and fused_selection_kernel(q, self.kernel) == "triton":
+            out, _ = triton_window_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), w)
+            return out.view_as(q)
         if start == 0:  # training: tiles of w queries see their tile and the previous one, fused
             pad = (-m) % w
             tiles = (m + pad) // w
@@ -530,7 +534,7 @@ def _gathered_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid:
     return torch.einsum("bhgmk,bhmkd->bhgmd", probs.to(q.dtype), values)
 
 
-def _check(heads, kv_heads, window, block, stride, fine_block, num_selected, kernel, branches) -> None:
+def _check(heads, kv_heads, dim_head, window, block, stride, fine_block, num_selected, kernel, branches) -> None:
     """Reject knob combinations NSA cannot run, saying how to fix them."""
     if not branches or set(branches) - set(BRANCH_NAMES):
         raise ValueError(f"branches={list(branches)} must name at least one of {', '.join(BRANCH_NAMES)}: "
@@ -547,6 +551,9 @@ def _check(heads, kv_heads, window, block, stride, fine_block, num_selected, ker
     if kernel == "cpu" and not (spans.available() and cpu_selection_available()):
         raise ValueError("kernel=cpu needs a working C compiler (cc or $CC) to build the CPU kernels: "
                          "install gcc, or use model.kernel=auto or torch")
+    if kernel == "triton" and not triton_dim_supported(dim_head):
+        raise ValueError(f"kernel=triton needs dim_head a power of two from 16 to 256, not {dim_head}: "
+                         "change model.dim_head, or use model.kernel=auto or torch")
     if kernel == "triton" and not triton_runnable():
         raise ValueError("kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 to run the kernel slowly "
                          "on the CPU): use model.kernel=auto or torch")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.compressed_attention.naive import compressed_attention as naive
-from kernels.compressed_attention.triton import TritonCompressedAttention, triton_selection
+from kernels.compressed_attention.triton import triton_compressed_attention, triton_selection
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,7 +49,7 @@ def test_attention_matches_the_definition(bh, g, m, start, d, block, stride, fin
     ours_leaves = [t.to(DEVICE).requires_grad_() for t in (q, kc, vc)]
     ref, _ = naive(*ref_leaves, start, block, stride, fine, 1)
     ref_lse = reference_lse(ref_leaves[0], ref_leaves[1], start, block, stride)
-    out, lse = TritonCompressedAttention.apply(*ours_leaves, start, block, stride)
+    out, lse = triton_compressed_attention(*ours_leaves, start, block, stride)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=tol, atol=tol, msg="out differs")
     torch.testing.assert_close(lse.double().cpu(), ref_lse.detach(), rtol=tol, atol=tol, msg="lse differs")
@@ -105,4 +105,4 @@ def test_unsupported_dim_head_fails_with_the_constraint():
     q = torch.randn(1, 2, 8, 48)
     kc = vc = torch.randn(1, 3, 48)
     with pytest.raises(ValueError, match="dim_head=48 must be a power of two.*model.kernel=torch"):
-        TritonCompressedAttention.apply(q, kc, vc, 0, 4, 2)
+        triton_compressed_attention(q, kc, vc, 0, 4, 2)
