@@ -1,109 +1,357 @@
-"""GPU timings of NSA's selected-block attention: the Triton kernel against the torch reference and
-dense flash attention, forward and forward+backward, then whole-model training tokens/s.
+"""One NSA attention layer (all three branches, gates and projections) against a dense GQA layer
+(projections and SDPA), forward and forward + backward, with peak memory; the reference packages'
+layers beside them where installed; then each branch's counted work (FLOPs and the fewest bytes
+it must move) against the time its kernels take, so the gap to the device's limits shows.
 
-    python -m experiments.benchmark_kernels                      # 8k, 16k, 32k, 64k tokens, bf16
-    python -m experiments.benchmark_kernels --lengths 8192 --dtype fp16
+    python -m experiments.benchmark_kernels                       # GPU: both settings, 8k..64k, bf16
+    python -m experiments.benchmark_kernels --setting small --lengths 32768
+    python -m experiments.benchmark_kernels --device cpu --setting tiny --lengths 256 --dtype fp32
 
-On a machine without CUDA it says so and exits 0 (the kernels are verified there by the tests,
-under TRITON_INTERPRET=1).
+Settings: `paper` is the NSA paper's kernel setting (dim 1024; 64 query heads over 4 KV heads,
+dim_head 128; compressed blocks of 32 every 16; 16 selected blocks of 64; window 512); `small` the
+seed's shape (dim 512; 8 query heads over 4 KV heads, dim_head 64; the same NSA knobs); `tiny` a
+shape for checking the script itself on a CPU. Batch 1, one layer in --dtype (parameters and
+activations). Timings are medians of CUDA events after warm-up (a host clock on the CPU); every
+ratio is against the dense layer of the same run. The device's ceilings are measured first: a
+large matrix product and a large copy.
+
+Reference rows (CUDA only; never imported elsewhere; `pip install -e .[reference]`):
+`ref:fla` is fla-core's `parallel_nsa` (compressed and selected branches, Triton; it needs a GQA
+group of 16 or more) with its sliding window through compiled `flex_attention` and a window mask,
+since its own window calls flash-attn; `ref:nsa-seed` is native-sparse-attention-pytorch's
+`SparseAttention` with its Triton kernel, as the NSA seed script trains it.
+
+Branches (kernels alone, on random inputs of the layer's shapes; CUDA, or the CPU under
+TRITON_INTERPRET=1): compressed = attention over the compressed blocks + block selection,
+selected = the freely chosen blocks (the forced ones, tiled attention in torch, not included),
+window = the sliding window. FLOPs count 2 per multiply-add, the backward 2.5x the forward (q.k
+recomputed, dp, dq, dk, dv); bytes are each input read once and each output written once.
 """
 
 import argparse
+import inspect
 import sys
+import time
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 
 from experiments.config.checks import flag_error
 from experiments.runtime.backends import DTYPES
 
+NSA_KNOBS = dict(compress_block_size=32, compress_stride=16, fine_block_size=64, num_fine_selected=16,
+                 sliding_window_size=512)
+SETTINGS = {
+    "paper": dict(dim=1024, heads=64, kv_heads=4, dim_head=128, **NSA_KNOBS),
+    "small": dict(dim=512, heads=8, kv_heads=4, dim_head=64, **NSA_KNOBS),
+    "tiny": dict(dim=64, heads=4, kv_heads=2, dim_head=16, compress_block_size=8, compress_stride=4,
+                 fine_block_size=16, num_fine_selected=4, sliding_window_size=32),
+}
 
-def timed(fn, repeats: int = 10) -> float:
-    """Median milliseconds of fn() on the GPU (CUDA events)."""
-    for _ in range(3):
+
+REPEATS = 10  # timings per median; --repeats sets it
+
+
+def timed(fn: Callable, device: torch.device, repeats: Optional[int] = None) -> float:
+    """Median milliseconds of fn(), after warm-up (CUDA events on a GPU, a host clock on the CPU)."""
+    repeats = repeats or REPEATS
+    for _ in range(2):
         fn()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
-def attention_rows(n: int, dtype, heads: int = 64, kv_heads: int = 4, dim: int = 128, block: int = 64,
-                   selected: int = 16) -> list[tuple[str, float, float]]:
-    """(name, forward ms, forward+backward ms) at sequence length n, the paper's kernel setting."""
-    from kernels.selected_attention import selected_attention
-    from kernels.selected_attention.naive import random_selection
+def peak_mb(fn: Callable, device: torch.device) -> Optional[float]:
+    """Device memory fn() adds at its peak over what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
-    group = heads // kv_heads
-    q = torch.randn(kv_heads, n, group, dim, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(kv_heads, n, dim, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(kv_heads, n, dim, device="cuda", dtype=dtype, requires_grad=True)
-    indices, valid = (t.cuda() for t in random_selection(kv_heads, n, 0, block, selected))
+
+def ceilings(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(matrix-product FLOP/s, memory bytes/s) measured here: a square product and a large copy."""
+    size = 8192 if device.type == "cuda" else 1024
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    rate = 2 * size**3 / (timed(lambda: a @ b, device) / 1e3)
+    src = torch.empty(2**28 if device.type == "cuda" else 2**25, device=device, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() / (timed(lambda: dst.copy_(src), device) / 1e3)  # bytes read + written
+    return rate, bandwidth
+
+
+# ---- layers -------------------------------------------------------------------------------------
+
+
+class DenseLayer(nn.Module):
+    """Dense causal GQA attention with its projections: x [batch, seq, dim] -> [batch, seq, dim]."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, dim_head: int, **_):
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(dim, 2 * kv_heads * dim_head, bias=False)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = self.to_q(x).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        k, v = self.to_kv(x).unflatten(-1, (2, self.kv_heads, -1)).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.to_out(out.transpose(1, 2).flatten(2))
+
+
+def nsa_layer(kernel: str, setting: dict) -> nn.Module:
+    from models.attention.nsa import NativeSparseAttention
+
+    return NativeSparseAttention(**setting, kernel=kernel)
+
+
+class FlaLayer(nn.Module):
+    """fla-core's parallel_nsa with projections and gates (its compressed keys are mean-pooled
+    blocks, one key/value set for all branches); the window through compiled flex_attention."""
+
+    def __init__(self, dim, heads, kv_heads, dim_head, fine_block_size, num_fine_selected, sliding_window_size, **_):
+        super().__init__()
+        from fla.ops.nsa import parallel_nsa
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if heads // kv_heads < 16:
+            raise ValueError(f"parallel_nsa needs a GQA group of 16 or more (this setting's is {heads // kv_heads})")
+        self.nsa, self.flex, self.block_mask = parallel_nsa, torch.compile(flex_attention), create_block_mask
+        self.heads, self.kv_heads, self.block, self.selected = heads, kv_heads, fine_block_size, num_fine_selected
+        self.window = sliding_window_size
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(dim, 2 * kv_heads * dim_head, bias=False)
+        self.to_gates = nn.Linear(dim, 3 * heads)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
+        self.masks = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        q = self.to_q(x).unflatten(-1, (self.heads, -1))  # [b, n, heads, d]
+        k, v = self.to_kv(x).unflatten(-1, (2, self.kv_heads, -1)).unbind(2)
+        g_cmp, g_slc, g_swa = torch.sigmoid(self.to_gates(x)).unflatten(-1, (3, self.heads)).unbind(2)
+        out = self.nsa(q, k, v, g_cmp, g_slc, None, block_counts=self.selected, block_size=self.block)
+        if n not in self.masks:
+            w = self.window
+            self.masks[n] = self.block_mask(lambda _b, _h, i, j: (j <= i) & (i - j < w), None, None, n, n,
+                                            device=x.device)
+        window = self.flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=self.masks[n],
+                           enable_gqa=True).transpose(1, 2)
+        return self.to_out((out + window * g_swa[..., None]).flatten(2))
+
+
+def seed_layer(setting: dict) -> nn.Module:
+    """native-sparse-attention-pytorch's SparseAttention at the setting, with its Triton kernel."""
+    from native_sparse_attention_pytorch import SparseAttention
+
+    knobs = dict(dim=setting["dim"], dim_head=setting["dim_head"], heads=setting["heads"],
+                 kv_heads=setting["kv_heads"], sliding_window_size=setting["sliding_window_size"],
+                 compress_block_size=setting["compress_block_size"],
+                 compress_block_sliding_stride=setting["compress_stride"],
+                 selection_block_size=setting["fine_block_size"], num_selected_blocks=setting["num_fine_selected"],
+                 use_triton_kernel=True)
+    accepted = inspect.signature(SparseAttention.__init__).parameters
+    return SparseAttention(**{key: value for key, value in knobs.items() if key in accepted})
+
+
+def layer_table(setting: dict, n: int, dtype: torch.dtype, device: torch.device, with_torch: bool) -> list[tuple]:
+    """[(name, forward ms, forward + backward ms, peak MB or None, note)] at n tokens."""
+    builders = [("dense (SDPA)", lambda: DenseLayer(**setting)), ("nsa", lambda: nsa_layer("auto", setting))]
+    if with_torch:
+        builders.append(("nsa kernel=torch", lambda: nsa_layer("torch", setting)))
+    if device.type == "cuda":
+        builders += [("ref:fla", lambda: FlaLayer(**setting)), ("ref:nsa-seed", lambda: seed_layer(setting))]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, n, setting["dim"], generator=gen).to(device, dtype).requires_grad_()
+    grad = torch.randn(1, n, setting["dim"], generator=gen).to(device, dtype)
     rows = []
-    for kernel in ("triton", "torch"):
-        def fwd(kernel=kernel):
-            return selected_attention(q, k, v, indices, valid, 0, block, kernel)[0]
+    for name, build in builders:
+        try:
+            torch.manual_seed(0)
+            layer = build().to(device, dtype)
+        except ImportError as error:
+            rows.append((name, None, None, None, f"not installed ({error.name}): pip install -e .[reference]"))
+            continue
+        except Exception as error:  # a reference package that cannot run this shape: say why, go on
+            rows.append((name, None, None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"))
+            continue
 
-        rows.append((f"selected/{kernel}", timed(fwd), timed(lambda: fwd().sum().backward())))
-    qd = q.permute(0, 2, 1, 3).reshape(1, heads, n, dim).detach().requires_grad_()
-    kd = k[None].repeat_interleave(group, 1).detach().requires_grad_()
-    vd = v[None].repeat_interleave(group, 1).detach().requires_grad_()
+        def forward(layer=layer):
+            with torch.no_grad():
+                layer(x)
 
-    def dense():
-        return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+        def both(layer=layer):
+            layer(x).backward(grad)
 
-    rows.append(("dense sdpa", timed(dense), timed(lambda: dense().sum().backward())))
+        try:
+            rows.append((name, timed(forward, device), timed(both, device), peak_mb(both, device), ""))
+        except Exception as error:
+            rows.append((name, None, None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"))
+        del layer
     return rows
 
 
-def model_tokens_per_s(kernel: str, n: int, dtype) -> float:
-    from models.lm import nsa_lm
+# ---- branches -----------------------------------------------------------------------------------
 
-    model = nsa_lm(num_tokens=256, dim=512, depth=6, heads=8, dim_head=64, kv_heads=4, sliding_window_size=512,
-                   compress_block_size=32, compress_stride=16, fine_block_size=64, num_fine_selected=16,
-                   kernel=kernel).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, 256, (1, n + 1), device="cuda")
 
-    def step():
-        with torch.autocast("cuda", dtype=dtype):
-            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+def branch_work(setting: dict, n: int, element: int) -> dict[str, tuple[float, float]]:
+    """Per branch, forward (FLOPs, fewest bytes) of one layer at n tokens (batch 1)."""
+    from kernels.triton_flash import COMPRESSED, WINDOW, visible_pairs
 
-    return n / (timed(step, repeats=5) / 1000)
+    h, kv, d = setting["heads"], setting["kv_heads"], setting["dim_head"]
+    block, stride, fine = setting["compress_block_size"], setting["compress_stride"], setting["fine_block_size"]
+    free = max(0, setting["num_fine_selected"] - 3)
+    blocks = max(0, (n - block) // stride + 1)
+    q_bytes, out_bytes = n * h * d * element, n * h * d * element
+    compressed_pairs = visible_pairs(n, 0, blocks, COMPRESSED, block, stride)
+    window_pairs = visible_pairs(n, 0, n, WINDOW, setting["sliding_window_size"], 1)
+    selected_pairs = n * free * fine  # whole blocks, as the kernel computes them
+    return {
+        # attention (q.k, p.v) and selection (q.k again) over the compressed blocks; q, kc, vc read,
+        # the output, its log-sum-exp and the chosen blocks written
+        "compressed": (2 * compressed_pairs * h * d * 3, q_bytes + 2 * blocks * kv * d * element + out_bytes
+                       + n * h * 4 + n * kv * free * 12),
+        "selected": (4 * selected_pairs * h * d, q_bytes + 2 * n * kv * d * element + out_bytes + n * kv * free * 9),
+        "window": (4 * window_pairs * h * d, q_bytes + 2 * n * kv * d * element + out_bytes),
+    }
+
+
+def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device) -> dict[str, tuple[float, float]]:
+    """Per branch, (forward ms, forward + backward ms) of its Triton kernels on random inputs."""
+    from kernels.compressed_attention.triton import triton_compressed_attention, triton_selection
+    from kernels.selected_attention import selected_attention
+    from kernels.selected_attention.naive import random_selection
+    from kernels.window_attention import triton_window_attention
+
+    h, kv, d = setting["heads"], setting["kv_heads"], setting["dim_head"]
+    g = h // kv
+    block, stride, fine = setting["compress_block_size"], setting["compress_stride"], setting["fine_block_size"]
+    free = max(0, setting["num_fine_selected"] - 3)
+    blocks = max(0, (n - block) // stride + 1)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype).requires_grad_()
+
+    q, k, v = rand(kv, g, n, d), rand(kv, n, d), rand(kv, n, d)
+    kc, vc = rand(kv, blocks, d), rand(kv, blocks, d)
+    q_rows = q.detach().transpose(1, 2).contiguous().requires_grad_()  # [kv, n, g, d] for selected attention
+    indices, valid = (t.to(device) for t in random_selection(kv, n, 0, fine, free + 1, gen))
+
+    def compressed():
+        out, lse = triton_compressed_attention(q, kc, vc, 0, block, stride)
+        triton_selection(q.detach(), kc.detach(), lse, 0, block, stride, fine, 3, free)
+        return out
+
+    branches = {
+        "compressed": compressed,
+        "selected": lambda: selected_attention(q_rows, k, v, indices[..., 1:], valid[..., 1:], 0, fine, "triton")[0],
+        "window": lambda: triton_window_attention(q, k, v, setting["sliding_window_size"])[0],
+    }
+    times = {}
+    for name, run in branches.items():
+        out = run()
+        grad = torch.randn_like(out)
+
+        def forward(run=run):
+            with torch.no_grad():
+                run()
+
+        times[name] = (timed(forward, device), timed(lambda run=run, grad=grad: run().backward(grad), device))
+    return times
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def print_layers(rows: list[tuple], n: int) -> None:
+    dense = next(row for row in rows if row[0].startswith("dense"))
+    for name, forward, both, peak, note in rows:
+        if forward is None:
+            print(f"{n:>7} {name:<17} {note}")
+            continue
+        peak_text = "-" if peak is None else f"{peak:,.0f}"
+        print(f"{n:>7} {name:<17} {forward:>10.2f} {both:>11.2f} {dense[1] / forward:>9.2f}x "
+              f"{dense[2] / both:>11.2f}x {peak_text:>9}")
+
+
+def print_branches(setting: dict, n: int, dtype: torch.dtype, device: torch.device, rate: float,
+                   bandwidth: float) -> None:
+    work = branch_work(setting, n, torch.finfo(dtype).bits // 8)
+    times = branch_times(setting, n, dtype, device)
+    for name, (flops, bytes_) in work.items():
+        forward, both = times[name]
+        floor = max(flops / rate, bytes_ / bandwidth) * 1e3
+        print(f"{n:>7} {name:<11} {flops / 1e9:>9.3g} {bytes_ / 2**20:>9.3g} {floor:>9.3g} {forward:>9.3f} "
+              f"{flops / (forward / 1e3) / rate:>8.1%} {both:>10.3f} {3.5 * flops / (both / 1e3) / rate:>9.1%}")
 
 
 def main(argv=None) -> int:
+    global REPEATS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=[*SETTINGS, "both"], default="both", help="both: paper and small")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    parser.add_argument("--model-length", type=int, default=8192)
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--with-torch", action="store_true", help="add NSA's plain-torch path (slow on a GPU)")
+    parser.add_argument("--no-branches", action="store_true", help="skip the per-branch counted work")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timings per median (after 2 warm-ups)")
     args = parser.parse_args(argv)
-    if error := flag_error({"--lengths": ("count", min(args.lengths)), "--model-length": ("count", args.model_length)}):
+    if error := flag_error({"--lengths": ("count", min(args.lengths)), "--repeats": ("count", args.repeats)}):
         parser.error(error)
-    if not torch.cuda.is_available():
-        print("no CUDA device here: nothing to time (the kernels are checked by `pytest -m triton`, which runs "
-              "them in Triton's interpreter on the CPU)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device=cuda: no CUDA device here; use --device cpu (with a small --setting tiny)")
+    if args.device == "auto" and not torch.cuda.is_available():
+        print("no CUDA device here: nothing to time at these sizes (the kernels are checked by `pytest -m triton` "
+              "in Triton's interpreter; `--device cpu --setting tiny` runs this script's own code)")
         return 0
+    device = torch.device("cuda" if args.device in ("auto", "cuda") else "cpu")
+    REPEATS = args.repeats
     dtype = DTYPES[args.dtype]
-    print(f"{torch.cuda.get_device_name()}, {args.dtype}; 64 query heads over 4 KV heads, dim_head 128, "
-          "block 64, 16 selected")
-    print(f"{'tokens':>7} {'attention':<16} {'forward ms':>11} {'fwd+bwd ms':>11} {'fwd+bwd vs dense':>17}")
-    for n in args.lengths:
-        rows = attention_rows(n, dtype)
-        dense_both = rows[-1][2]
-        for name, forward, both in rows:
-            print(f"{n:>7} {name:<16} {forward:>11.2f} {both:>11.2f} {dense_both / both:>16.1f}x")
-    for kernel in ("triton", "torch"):
-        print(f"NSA model (dim 512, depth 6) training at {args.model_length} tokens, kernel={kernel}: "
-              f"{model_tokens_per_s(kernel, args.model_length, dtype):,.0f} tokens/s")
+    from experiments.runtime.throughput import device_name
+    from kernels import triton_runnable
+
+    rate, bandwidth = ceilings(device, dtype)
+    print(f"{device_name(device)}, {args.dtype}, batch 1; measured ceilings: matrix product "
+          f"{rate / 1e12:.2f} TFLOP/s, copy {bandwidth / 1e9:.0f} GB/s")
+    for name in (("paper", "small") if args.setting == "both" else (args.setting,)):
+        setting = SETTINGS[name]
+        print(f"\n{name}: dim {setting['dim']}, {setting['heads']} query heads over {setting['kv_heads']} KV heads, "
+              f"dim_head {setting['dim_head']}; compressed blocks of {setting['compress_block_size']} every "
+              f"{setting['compress_stride']}, {setting['num_fine_selected']} selected blocks of "
+              f"{setting['fine_block_size']}, window {setting['sliding_window_size']}")
+        print(f"{'tokens':>7} {'layer':<17} {'fwd ms':>10} {'fwd+bwd ms':>11} {'fwd x dense':>10} "
+              f"{'fwd+bwd x dense':>12} {'peak MB':>9}")
+        for n in args.lengths:
+            print_layers(layer_table(setting, n, dtype, device, args.with_torch), n)
+        if args.no_branches:
+            continue
+        if not triton_runnable():
+            print("branches: the Triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)")
+            continue
+        print(f"{'tokens':>7} {'branch':<11} {'fwd GFLOP':>9} {'fwd MiB':>9} {'floor ms':>9} {'fwd ms':>9} "
+              f"{'of rate':>8} {'fwd+bwd ms':>10} {'of rate':>9}")
+        for n in args.lengths:
+            print_branches(setting, n, dtype, device, rate, bandwidth)
     return 0
 
 

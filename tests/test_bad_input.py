@@ -222,7 +222,7 @@ BENCHMARK_FLAG_CASES = [
     ("experiments.benchmark_speculative", ["--temperature", "-1"], "--temperature=-1.0 must be 0 or more"),
     ("experiments.benchmark_dalle", ["--steps", "0", "--ff-mult", "0"], "--steps=0 must be at least 1; --ff-mult=0.0 "
                                                                         "must be positive"),
-    ("experiments.benchmark_kernels", ["--model-length", "-1"], "--model-length=-1 must be at least 1"),
+    ("experiments.benchmark_kernels", ["--lengths", "64", "0", "--repeats", "0"], "--lengths=0 must be at least 1; --repeats=0"),
 ]
 
 

@@ -1,0 +1,31 @@
+"""The layer and branch benchmark runs its own code on a CPU (tiny setting; the Triton kernels in
+the interpreter): every row is measured, and the ratios are against the dense layer of the run."""
+
+import pytest
+
+from experiments import benchmark_kernels
+
+
+@pytest.mark.triton
+def test_tiny_setting_times_every_layer_and_branch_on_the_cpu(capsys):
+    assert benchmark_kernels.main(["--device", "cpu", "--setting", "tiny", "--lengths", "32", "--dtype", "fp32",
+                                   "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "measured ceilings: matrix product" in lines[0]
+    rows = {line.split()[1]: line.split() for line in lines if line.split()[:1] == ["32"]}
+    assert set(rows) == {"dense", "nsa", "compressed", "selected", "window"}
+    assert rows["dense"][5:7] == ["1.00x", "1.00x"]  # the baseline against itself
+    for name in ("compressed", "selected", "window"):
+        gflop, mib, floor, forward = map(float, rows[name][2:6])
+        assert gflop > 0 and mib > 0 and 0 < floor and forward > 0
+
+
+def test_branch_work_counts_the_pairs_each_branch_visits():
+    setting = dict(benchmark_kernels.SETTINGS["tiny"], heads=1, kv_heads=1, dim_head=1)
+    work = benchmark_kernels.branch_work(setting, 64, 4)
+    # window 32: queries 0..31 see t + 1 keys, 32..63 see 32; 4 FLOPs a pair at one head of dim 1
+    assert work["window"][0] == 4 * (sum(range(1, 33)) + 32 * 32)
+    # one free block of 16 per query (4 selected, 3 forced)
+    assert work["selected"][0] == 4 * 64 * 16
+    # blocks of 8 every 4 complete at t = 7, 11, ...: query t sees (t - 7) // 4 + 1 of them
+    assert work["compressed"][0] == 6 * sum((t - 7) // 4 + 1 for t in range(7, 64))
