@@ -10,6 +10,7 @@ overhead, and each model's speed as a ratio to the dense transformer measured in
     python -m experiments.benchmark --models nsa --seq 8192 --batch 1 --profile  # the ops of one step
     python -m experiments.benchmark --models nsa transformer --seq 8192 --batch 1 --tensor-peak
     python -m experiments.benchmark --models sinkhorn ref:sinkhorn routing ref:routing
+    python -m experiments.benchmark --device cuda --precision bf16 --seq 8192 32768 --batch 1   # on a GPU
 
 Models are composed from conf/ exactly as train.py composes them (bench config: vocab 256,
 dim 256, depth 4, heads 4, dim_head 64; each attention adds its conf/model/<name>.yaml knobs;
@@ -21,8 +22,11 @@ defaults). That peak is resident memory, which also holds what the allocator kee
 steps (a heap grows for several); --tensor-peak adds the peak of live tensors over one more step, what the
 model itself needs.
 
-The header names the processor: figures from different machines do not compare, ratios measured
-in one run do.
+The header names the processor or GPU: figures from different machines do not compare, ratios
+measured in one run do. `--device` (auto: CUDA when there is one) runs every measurement there: on
+CUDA the peak is `torch.cuda.max_memory_allocated` (tensors alone), steps are timed to the device's
+completion, and MFU is against a square matrix product measured in the step's precision (bf16 under
+--precision bf16); on the CPU, against the fp32 product, as before.
 
 `ref:sinkhorn` and `ref:routing` measure the reference packages (sinkhorn-transformer 0.11.4,
 routing-transformer 1.6.1) at the same config, when they are installed; they are not
@@ -67,7 +71,7 @@ def reference_model(name: str, cfg, seq: int):
     return model, lambda tokens: model(tokens)
 
 
-def build(model_name: str, seq: int, threads: int, extra: list[str]):
+def build(model_name: str, seq: int, threads: int, extra: list[str], device: str = "cpu"):
     """The composed config and the model (ours or a reference package's) -> (cfg, model, forward)."""
     import torch
     from hydra import compose, initialize_config_dir
@@ -87,18 +91,29 @@ def build(model_name: str, seq: int, threads: int, extra: list[str]):
     else:
         model = instantiate(cfg.model)
         forward = lambda tokens: (model(tokens), model.aux_loss())  # noqa: E731
-    return cfg, model, forward
+    return cfg, model.to(device), forward
 
 
-def autocast(precision: str):
+def autocast(precision: str, device: str = "cpu"):
     """The training step's precision, as the local backend sets it from trainer.precision."""
     import torch
 
-    return contextlib.nullcontext() if precision == "fp32" else torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext() if precision == "fp32" else torch.autocast(device, dtype=torch.bfloat16)
+
+
+def synced(step, device):
+    """step, waiting for the device to finish it: a host clock around it then times the work."""
+    from experiments.runtime.throughput import sync
+
+    def run():
+        step()
+        sync(device)
+
+    return run
 
 
 def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, extra: list[str],
-            precision: str = "fp32", profile: bool = False, tensor_peak: bool = False) -> dict:
+            precision: str = "fp32", profile: bool = False, tensor_peak: bool = False, device: str = "cpu") -> dict:
     """One model's training-step figures, measured in this process; the peak memory is that of the
     timed steps and of those after them until it settles (model, optimizer state, activations, the
     C heap), not of the FLOP counting after them."""
@@ -111,22 +126,24 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
     from experiments.runtime.throughput import (matmul_peak_flops, median_seconds, peak_memory_mb, reset_peak_memory,
                                                 settled_peak_mb, training_flops_per_token)
 
-    cfg, model, forward = build(model_name, seq, threads, extra)
+    cfg, model, forward = build(model_name, seq, threads, extra, device)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     data = ByteText(seq_len=seq, cache_dir=cfg.data.cache_dir)
-    batch_tokens = data.train_batch(batch, seed=0, step=0)
+    batch_tokens = data.train_batch(batch, seed=0, step=0).to(device)
+    dev = torch.device(device)
 
     def step():
-        with autocast(precision):
+        with autocast(precision, dev.type):
             logits, aux = forward(batch_tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch_tokens[:, 1:].flatten()) + aux
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    reset_peak_memory(torch.device("cpu"))
+    step = synced(step, dev)
+    reset_peak_memory(dev)
     step_s = median_seconds(step, steps)
-    peak_mb, _, settled = settled_peak_mb(step, lambda: peak_memory_mb(torch.device("cpu")), step_s)
+    peak_mb, _, settled = settled_peak_mb(step, lambda: peak_memory_mb(dev), step_s)
     if profile:
         print_profile(step)
     tensors_mb = live_tensor_peak_bytes(step, model, optimizer) / 2**20 if tensor_peak else None
@@ -142,14 +159,16 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
             run.log_metrics({"step": i, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0})
         loop_s = (time.perf_counter() - t0) / 20
 
-    with autocast(precision):  # what the timed steps kept, in their precision
+    with autocast(precision, dev.type):  # what the timed steps kept, in their precision
         activation_mb = saved_activation_bytes(forward, batch_tokens[:, :-1]) / 2**20
     reference = model_name.startswith("ref:")  # another package's model: FLOPs not counted
-    flops = None if reference else training_flops_per_token(model, seq, torch.device("cpu"))
-    peak = matmul_peak_flops(torch.device("cpu"))
+    flops = None if reference else training_flops_per_token(model, seq, dev)
+    # the CPU's MFU stays against the fp32 product (its figures in the README); a GPU's against the step's precision
+    peak = matmul_peak_flops(dev, torch.bfloat16 if dev.type == "cuda" and precision == "bf16" else torch.float32)
     tok_s = batch * seq / step_s
     return {
         "model": model_name,
+        "device": device,
         "seq": seq,
         "batch": batch,
         "mode": "train",
@@ -169,7 +188,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
 
 
 def measure_decode(model_name: str, context: int, batch: int, steps: int, threads: int, extra: list[str],
-                   precision: str = "fp32", profile: bool = False) -> dict:
+                   precision: str = "fp32", profile: bool = False, device: str = "cpu") -> dict:
     """Greedy decoding figures after a cache of `context` tokens, measured in this process: the
     tokens/s of one decoding step (median of `steps`), the prompt's time, and the peak memory of both."""
     import torch
@@ -178,14 +197,15 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
     from experiments.runtime.throughput import median_seconds, peak_memory_mb, reset_peak_memory
     from models.sampling import decoding_linears
 
-    cfg, model, _ = build(model_name, context + steps + 2, threads, extra)
+    cfg, model, _ = build(model_name, context + steps + 2, threads, extra, device)
     if model_name.startswith("ref:"):
         raise SystemExit(f"--decode measures this project's models only, not {model_name}")
     model.eval()
     data = ByteText(seq_len=context, cache_dir=cfg.data.cache_dir)
-    prompt = data.train_batch(batch, seed=0, step=0)[:, :context]
-    reset_peak_memory(torch.device("cpu"))
-    with torch.no_grad(), autocast(precision), decoding_linears(model):  # as generate decodes
+    prompt = data.train_batch(batch, seed=0, step=0)[:, :context].to(device)
+    dev = torch.device(device)
+    reset_peak_memory(dev)
+    with torch.no_grad(), autocast(precision, dev.type), decoding_linears(model):  # as generate decodes
         cache = model.new_cache()
         t0 = time.perf_counter()
         token = model(prompt, cache=cache)[:, -1:].argmax(-1)
@@ -195,12 +215,13 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
             nonlocal token
             token = model(token, cache=cache)[:, -1:].argmax(-1)
 
-        step_s = median_seconds(step, steps)
-        peak_mb = peak_memory_mb(torch.device("cpu"))
+        step_s = median_seconds(synced(step, dev), steps)
+        peak_mb = peak_memory_mb(dev)
         if profile:
             print_profile(step)
     return {
         "model": model_name,
+        "device": device,
         "seq": context,
         "batch": batch,
         "mode": "decode",
@@ -271,7 +292,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="interleaved rounds; the median round is shown")
     parser.add_argument("--decode", action="store_true", help="time one decoding step after a cache, not training")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                        help="bf16: autocast on the CPU, as trainer.precision=bf16")
+                        help="bf16: autocast on the device, as trainer.precision=bf16")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where every measurement runs (auto: CUDA when there is one)")
     parser.add_argument("--plot", type=Path, help="write tokens/s and peak memory against length (log-log) here")
     parser.add_argument("--profile", action="store_true", help="print the operators of one step of each measurement")
     parser.add_argument("--tensor-peak", action="store_true",
@@ -285,21 +308,28 @@ def main() -> None:
         parser.error(error)
     if args.decode and args.tensor_peak:
         parser.error("--tensor-peak measures a training step: leave out --decode")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device=cuda: no CUDA device here; use --device cpu")
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if device == "cuda" and args.tensor_peak:
+        parser.error("--tensor-peak reads the CPU's allocations: on CUDA the peak column counts tensors alone already")
     if not args.one and (problem := config_problem(args.models, args.override)):
         parser.error(problem)
 
     if args.one:
         common = (args.models[0], args.seq[0], args.batch, args.steps, args.threads, args.override, args.precision,
                   args.profile)
-        row = measure_decode(*common) if args.decode else measure(*common, tensor_peak=args.tensor_peak)
+        row = (measure_decode(*common, device=device) if args.decode
+               else measure(*common, tensor_peak=args.tensor_peak, device=device))
         print(json.dumps(row))
         return
 
-    import torch
-
     from experiments.runtime.throughput import device_name, measure_in_child
 
-    print(f"{device_name(torch.device('cpu'))}, {args.threads} threads, {args.precision}, "
+    threads = f", {args.threads} threads" if device == "cpu" else ""
+    print(f"{device_name(torch.device(device))}{threads}, {args.precision}, "
           f"{'decoding after a cache' if args.decode else 'training step'}", flush=True)
     rows: dict[tuple, list[dict]] = {}
     for _ in range(args.repeat):  # rounds interleave the models, so a noisy spell hits them all
@@ -308,7 +338,7 @@ def main() -> None:
                 try:
                     row, profile = measure_in_child("experiments.benchmark", [
                         "--models", name, "--seq", str(seq), "--batch", str(args.batch), "--steps", str(args.steps),
-                        "--threads", str(args.threads), "--precision", args.precision,
+                        "--threads", str(args.threads), "--precision", args.precision, "--device", device,
                         *(["--decode"] if args.decode else []), *(["--profile"] if args.profile else []),
                         *(["--tensor-peak"] if args.tensor_peak else []),
                         "--override", *args.override])
@@ -422,8 +452,10 @@ def plot_scaling(table: list[dict], path: Path, args) -> None:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{what}, batch {args.batch}, {args.precision}, {args.threads} threads: "
-                 f"{device_name(torch.device('cpu'))}", fontsize=10)
+    device = table[0].get("device", "cpu") if table else "cpu"
+    threads = f", {args.threads} threads" if device == "cpu" else ""
+    fig.suptitle(f"{what}, batch {args.batch}, {args.precision}{threads}: {device_name(torch.device(device))}",
+                 fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

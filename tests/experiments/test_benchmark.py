@@ -1,6 +1,7 @@
 """The training-step benchmark measures what it names, in the precision it is asked for."""
 
 import pytest
+import torch
 
 from experiments import benchmark
 from experiments.runtime import throughput
@@ -10,7 +11,7 @@ TINY = ["model.dim=32", "model.depth=1", "model.heads=2", "model.dim_head=16"]
 
 @pytest.fixture(autouse=True)
 def no_peak_measurement(monkeypatch):
-    monkeypatch.setattr(throughput, "matmul_peak_flops", lambda device: 1e12)  # MFU is not under test
+    monkeypatch.setattr(throughput, "matmul_peak_flops", lambda device, dtype=None: 1e12)  # MFU is not under test
 
 
 @pytest.mark.parametrize("model", ["transformer", "nsa"])
@@ -30,3 +31,12 @@ def test_tensor_peak_holds_the_optimizer_state_and_all_the_forward_keeps():
     assert row["activation_mb"] > weights_mb  # the peak is not the weights and moments alone
     assert 2 * weights_mb + row["activation_mb"] <= row["tensor_peak_mb"] < row["peak_mem_mb"]
     assert benchmark.measure("transformer", seq=64, batch=2, steps=1, threads=1, extra=TINY)["tensor_peak_mb"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model", ["transformer", "nsa"])
+def test_a_gpu_measurement_runs_on_the_device_and_reads_its_memory(model):
+    row = benchmark.measure(model, seq=256, batch=2, steps=1, threads=1, extra=TINY, precision="bf16", device="cuda")
+    assert row["device"] == "cuda" and row["step_s"] > 0
+    assert 0 < row["peak_mem_mb"] < 4096  # the device's tensors, not the process's resident memory
