@@ -26,8 +26,10 @@ from models.reversible import recomputing
 
 
 def recomputation_pays() -> bool:
-    """Whether autograd records for a backward, outside a reversible block's recomputation."""
-    return torch.is_grad_enabled() and not recomputing()
+    """Whether autograd records for a backward, outside a reversible block's recomputation and
+    outside code torch.compile traces (its partitioner chooses what to recompute, and its guards
+    cannot follow recipes kept by storage address)."""
+    return torch.is_grad_enabled() and not recomputing() and not torch.compiler.is_compiling()
 
 
 def recomputed(fn: Callable, *args):

@@ -7,9 +7,9 @@ from torch import Tensor, nn
 class Rotary(nn.Module):
     """Rotates each pair of channels (x[2i], x[2i+1]) by the angle position * base^(-2i / dim_head).
 
-    In fp32 and fp64, as one complex multiplication of each pair by e^(i angle): one pass over x
+    In fp32 and fp64 (eager), as one complex multiplication of each pair by e^(i angle): one pass over x
     (0.5 ms against 4.3 ms for x * cos + swap(x) * sin on [2, 2, 8192, 64], AMD EPYC). Other
-    dtypes (bf16 has no complex type) use x * cos + swap(x) * sin, with swap exchanging the two
+    dtypes (bf16 has no complex type), and code torch.compile traces, use x * cos + swap(x) * sin, with swap exchanging the two
     channels of each pair and sin signed (-sin, +sin) per pair. One call may rotate queries and
     keys stacked together, which halves the kernel launches of a decoding step's rotation."""
 
@@ -52,7 +52,9 @@ class Rotary(nn.Module):
         """Rotate x [..., seq, dim_head] whose first position is `start` (inverse: rotate back,
         which is also how a gradient goes back through the rotation)."""
         seq = x.shape[-2]
-        if x.dtype in (torch.float32, torch.float64):
+        # torch.compile fuses the real form into one kernel; it mishandles outputs that are complex
+        # views (view_as_real of a product read back garbage sizes, torch 2.13 on the CPU)
+        if x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
             if x.stride(-1) != 1 or x.storage_offset() % 2 or any(stride % 2 for stride in x.stride()[:-1]):
                 x = x.contiguous()  # pairs of channels must lie where complex numbers can
             phases = self._complex(start + seq, x.device, x.dtype)[start : start + seq]
@@ -65,7 +67,11 @@ class Rotary(nn.Module):
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             torch.mul(pairs, phases, out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
             return out
-        cos, sin = self._cos_sin(start + seq, x.device, x.dtype)
+        if torch.compiler.is_compiling():  # computed in the graph: a cached table would change its guards
+            angles = torch.arange(start, start + seq, device=x.device, dtype=torch.float32)[:, None] * self.inv_freq
+            cos = angles.cos().repeat_interleave(2, dim=-1).to(x.dtype)
+            sin = torch.stack((-angles.sin(), angles.sin()), dim=-1).flatten(-2).to(x.dtype)
+        else:
+            cos, sin = (t[start : start + seq] for t in self._cos_sin(start + seq, x.device, x.dtype))
         swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        sin = sin[start : start + seq]
-        return x * cos[start : start + seq] + swapped * (-sin if inverse else sin)
+        return x * cos + swapped * (-sin if inverse else sin)

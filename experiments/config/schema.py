@@ -77,6 +77,7 @@ class TrainerConfig:
     threads: Optional[int] = MISSING  # torch intra-op threads on CPU; null: torch's default
     cpu_allocator: CpuAllocator = MISSING  # freed memory: back to the system, kept on the heap, or pooled by size
     progress: bool = MISSING  # tqdm progress bar on stderr
+    compile: bool = MISSING  # torch.compile of each trained model's training forward
 
 
 @dataclass

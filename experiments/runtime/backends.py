@@ -61,6 +61,11 @@ class LocalBackend:
             log.info(f"trainer.cpu_allocator={trainer.cpu_allocator.value}: {allocator.FALLBACK[trainer.cpu_allocator.value]}")
         random.seed(trainer.seed)
         torch.manual_seed(trainer.seed)
+        self.compile = trainer.compile
+        if self.compile and self.device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "c++"))
+                                                               or shutil.which("g++")):
+            raise UserError("trainer.compile=true on the CPU needs a C++ compiler (c++, g++ or $CXX) for "
+                            "torch.compile's kernels: install one, or set trainer.compile=false")
         reset_peak_memory(self.device)  # sweep jobs share a process: each measures its own peak
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
 
@@ -79,7 +84,11 @@ class LocalBackend:
 
     def prepare(self, prefix: str, model: nn.Module, make_optimizer: Callable) -> Trainee:
         model = model.to(self.device)
-        return Trainee(prefix, model, model, make_optimizer(model.parameters()))
+        return Trainee(prefix, model, self._compiled(model), make_optimizer(model.parameters()))
+
+    def _compiled(self, forward: nn.Module) -> nn.Module:
+        """The training forward, compiled where trainer.compile asks (lazily: the first call compiles)."""
+        return torch.compile(forward) if self.compile else forward
 
     def autocast(self):
         if self.precision == "fp32":
@@ -154,7 +163,7 @@ class DDPBackend(LocalBackend):
         model = model.to(self.device)
         wrapped = DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda" else None,
                                           find_unused_parameters=self.find_unused_parameters)
-        return Trainee(prefix, model, wrapped, make_optimizer(model.parameters()))
+        return Trainee(prefix, model, self._compiled(wrapped), make_optimizer(model.parameters()))
 
     def accumulating(self, trainee: Trainee, last: bool):
         """Gradients are averaged over the ranks once per optimizer step, in the last micro-batch's
@@ -187,6 +196,9 @@ class DeepSpeedBackend(DDPBackend):
         self.initial_loss_scale_power, self.config_file = initial_loss_scale_power, config_file
 
     def setup(self, trainer) -> None:
+        if trainer.compile:
+            raise UserError("trainer.compile=true is for backend=local or ddp: a DeepSpeed engine compiles "
+                            "its own way; set trainer.compile=false")
         for key, value in (("RANK", self.rank), ("LOCAL_RANK", launch.local_rank()), ("WORLD_SIZE", self.world_size)):
             os.environ.setdefault(key, str(value))  # DeepSpeed reads them even in one plain process
         super().setup(trainer)

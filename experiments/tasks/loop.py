@@ -100,27 +100,36 @@ class Loop:
                    dynamic_ncols=True, mininterval=1.0)
         window_t, window_steps, window_flops = time.perf_counter(), 0, 0.0
         step, stopping = start, False
+        compiling = self.backend.compile  # the first step compiles: its time is not training time
         while step < self.task.total_steps and not stopping:
             active = self.task.active(step)
             figures = self._train_step(step, active)
-            window_flops += self._flops_at(step, active)
+            if compiling:
+                compile_s = time.perf_counter() - window_t
+                log.info("step %d compiled the training forward and backward in %.1f s (not counted in tokens/s)",
+                         step + 1, compile_s)
+                run.update_summary(compile_s=round(compile_s, 1))
+                compiling, window_t = False, time.perf_counter()
+            else:
+                window_flops += self._flops_at(step, active)
+                window_steps += 1
             step += 1
-            window_steps += 1
             bar.update(1)
             last = step == self.task.total_steps
             stage_ends = not last and self.task.active(step) != active
             if step % tr.log_every == 0 or last or stage_ends:
-                elapsed = time.perf_counter() - window_t
-                tok_s = samples_per_step * self.task.tokens_per_sample(active[0].prefix) * window_steps / elapsed
-                flops = window_flops / window_steps  # per token: a length curriculum's steps differ
-                row = {"step": step, **figures, "lr": active[0].schedule.get_last_lr()[0],
-                       "tokens_per_s": round(tok_s, 1), "mfu": round(tok_s * flops / self.peak_flops, 4),
-                       "wall_s": round(run.wall_s(), 2)}
+                row = {"step": step, **figures, "lr": active[0].schedule.get_last_lr()[0]}
+                loss_key = f"{active[0].prefix}loss"
+                if window_steps:  # none when the window held only the compiling step
+                    elapsed = time.perf_counter() - window_t
+                    tok_s = samples_per_step * self.task.tokens_per_sample(active[0].prefix) * window_steps / elapsed
+                    flops = window_flops / window_steps  # per token: a length curriculum's steps differ
+                    row.update(tokens_per_s=round(tok_s, 1), mfu=round(tok_s * flops / self.peak_flops, 4))
+                    bar.set_postfix(loss=f"{figures[loss_key]:.3f}", tok_s=f"{tok_s:,.0f}")
+                    self._throughput.append((tok_s, flops, window_steps))
+                row["wall_s"] = round(run.wall_s(), 2)
                 run.log_metrics(row)
                 self.tracker.log(row, step)
-                loss_key = f"{active[0].prefix}loss"
-                bar.set_postfix(loss=f"{figures[loss_key]:.3f}", tok_s=f"{tok_s:,.0f}")
-                self._throughput.append((tok_s, flops, window_steps))
                 window_t, window_steps, window_flops = time.perf_counter(), 0, 0.0
             # a signal may reach the ranks at different steps: they stop together, or collectives hang
             stopping = self.backend.all_reduce_mean(float(run.stop_requested)) > 0

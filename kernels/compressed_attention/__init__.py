@@ -170,6 +170,7 @@ def triton_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, s
     return out, scores, indices
 
 
+@torch.compiler.disable  # C code through ctypes: torch.compile calls it as it is, untraced
 def cpu_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int, fine_block: int, forced: int,
                              free: int) -> tuple[Tensor, Tensor, Tensor]:
     """The compressed branch's attention (as causal_block_attention) and the `free` most important

@@ -29,6 +29,7 @@ def available() -> bool:
     return _library() is not None
 
 
+@torch.compiler.disable  # C code through ctypes: torch.compile calls it as it is, untraced
 def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Optional[Tensor] = None,
                    gate: Optional[Tensor] = None, phases: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of each query over the keys of its spans, on the CPU kernel.

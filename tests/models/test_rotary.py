@@ -46,3 +46,21 @@ def test_a_rotation_outside_autograd_is_contiguous_and_the_same():
         rotated = rotary(q, 4)
     assert rotated.is_contiguous()
     torch.testing.assert_close(rotated, pairwise(q.double(), 4, 16).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_rotation_is_the_eager_one_with_its_gradient():
+    """Under torch.compile the rotation takes the real form, its table computed in the graph (a
+    compiled training step read garbage sizes back from complex views, torch 2.13 on the CPU: the
+    compiled-run test in tests/experiments/runtime/test_backends.py catches that); an attention
+    layer compiled must compute what it computes eagerly, forward and backward."""
+    from models.attention.dense import DenseAttention
+
+    torch.manual_seed(0)
+    layer = DenseAttention(dim=32, heads=2, dim_head=16)
+    compiled = torch.compile(layer, dynamic=False)
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    grad = torch.randn(2, 24, 32)
+    expected, ours = layer(x), compiled(x)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(ours, x, grad)[0], torch.autograd.grad(expected, x, grad)[0],
+                               rtol=1e-5, atol=1e-6)

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from experiments.config.schema import Device, Precision, TrainerConfig
 from experiments.runtime.backends import LocalBackend, parallel_job_slot, peak_memory_mb, reset_peak_memory
 from experiments.runtime.errors import UserError
-from tests.helpers.runs import ROOT
+from tests.helpers.runs import ROOT, TINY_LM, TINY_NSA, losses, read_metrics, read_summary, train
 
 
 def trainer(**kw):
@@ -82,3 +82,25 @@ def test_a_bad_backend_key_ends_the_run_with_one_message(tmp_path):
     assert "error: backend.zero_stage=5 must be 0, 1, 2 or 3" in result.stderr
     assert "Traceback" not in result.stderr
     assert read_summary(tmp_path / "run")["status"] == "failed"
+
+
+def test_compile_with_deepspeed_is_refused_in_one_line():
+    from experiments.runtime.backends import DeepSpeedBackend
+
+    with pytest.raises(UserError, match="trainer.compile=true is for backend=local or ddp"):
+        DeepSpeedBackend().setup(trainer(device=Device.cpu, compile=True))
+
+
+@pytest.mark.parametrize("base", [TINY_LM, TINY_NSA], ids=["transformer", "nsa"])
+def test_a_compiled_run_trains_as_the_uncompiled_one(tmp_path, base):
+    """trainer.compile: the same losses (to fp32 round-off: the compiler fuses and reorders), the
+    compiling step's time logged as compile_s and left out of tokens/s."""
+    steps = ["trainer.max_steps=3", "trainer.validate_every=0"]
+    train(tmp_path / "eager", *steps, base=base)
+    train(tmp_path / "compiled", *steps, "trainer.compile=true", base=base)
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
+    summary = read_summary(tmp_path / "compiled")
+    assert summary["status"] == "completed" and summary["compile_s"] > 0 and summary["tokens_per_s"] > 0
+    first, *rest = [row for row in read_metrics(tmp_path / "compiled") if "loss" in row]
+    assert "tokens_per_s" not in first and all(row["tokens_per_s"] > 0 for row in rest)
+    assert "compiled the training forward and backward in" in (tmp_path / "compiled" / "train.log").read_text()
