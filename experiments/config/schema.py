@@ -78,6 +78,7 @@ class TrainerConfig:
     cpu_allocator: CpuAllocator = MISSING  # freed memory: back to the system, kept on the heap, or pooled by size
     progress: bool = MISSING  # tqdm progress bar on stderr
     compile: bool = MISSING  # torch.compile of each trained model's training forward
+    deterministic: bool = MISSING  # deterministic algorithms only: GPU runs repeat to the bit
 
 
 @dataclass

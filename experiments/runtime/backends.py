@@ -59,6 +59,10 @@ class LocalBackend:
             torch.set_num_threads(trainer.threads)
         if not allocator.use(trainer.cpu_allocator.value):
             log.info(f"trainer.cpu_allocator={trainer.cpu_allocator.value}: {allocator.FALLBACK[trainer.cpu_allocator.value]}")
+        if trainer.deterministic:  # cuBLAS reads it when it first starts: before the model is built
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(trainer.deterministic)  # set either way: sweep jobs share a process
+        torch.backends.cudnn.benchmark = False
         random.seed(trainer.seed)
         torch.manual_seed(trainer.seed)
         self.compile = trainer.compile

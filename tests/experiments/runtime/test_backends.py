@@ -104,3 +104,23 @@ def test_a_compiled_run_trains_as_the_uncompiled_one(tmp_path, base):
     first, *rest = [row for row in read_metrics(tmp_path / "compiled") if "loss" in row]
     assert "tokens_per_s" not in first and all(row["tokens_per_s"] > 0 for row in rest)
     assert "compiled the training forward and backward in" in (tmp_path / "compiled" / "train.log").read_text()
+
+
+def test_deterministic_switches_torch_to_deterministic_algorithms_and_back():
+    backend = LocalBackend()
+    try:
+        backend.setup(trainer(device=Device.cpu, deterministic=True))
+        assert torch.are_deterministic_algorithms_enabled()
+        backend.setup(trainer(device=Device.cpu))  # the next job of a sweep, in the same process
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_a_deterministic_nsa_run_trains_as_the_default_one(tmp_path):
+    """No operator of the NSA LM's step refuses deterministic mode; on the CPU the losses are the bits
+    of the default run's."""
+    steps = ["trainer.max_steps=3", "trainer.validate_every=0"]
+    train(tmp_path / "default", *steps, base=TINY_NSA)
+    train(tmp_path / "deterministic", *steps, "trainer.deterministic=true", base=TINY_NSA)
+    assert losses(tmp_path / "deterministic") == losses(tmp_path / "default")
