@@ -74,6 +74,15 @@ def _queries_of(c_first, c_last, start, seq_q, MASK: tl.constexpr, A: tl.constex
 
 
 @triton.jit
+def _key_tile(K, V, bh, cols, num_keys, d, D: tl.constexpr):
+    """Keys and values [N, D] at key indices cols [N] (zeros past the end), and their offsets."""
+    kv_off = (bh * num_keys + cols[:, None]) * D + d[None, :]
+    k = tl.load(K + kv_off, mask=cols[:, None] < num_keys, other=0.0)
+    v = tl.load(V + kv_off, mask=cols[:, None] < num_keys, other=0.0)
+    return k, v, kv_off
+
+
+@triton.jit
 def _probabilities(q, k, lse, visible, scale, USE_DOT: tl.constexpr):
     """Recomputed probabilities [M, N] of queries q [M, D] over keys k [N, D]; 0 where a key is not
     visible or the query sees none (lse -inf)."""
@@ -98,9 +107,7 @@ def _forward(Q, K, V, OUT, LSE, start, seq_q, num_keys, scale, MASK: tl.constexp
     lo, hi = _keys_of(start + tile * BM, start + tl.minimum(tile * BM + BM, seq_q) - 1, MASK, A, B, num_keys)
     for n0 in range(lo, hi, BN):
         cols = n0 + tl.arange(0, BN)
-        kv_off = (bh * num_keys + cols[:, None]) * D + d[None, :]
-        k = tl.load(K + kv_off, mask=cols[:, None] < num_keys, other=0.0)
-        v = tl.load(V + kv_off, mask=cols[:, None] < num_keys, other=0.0)
+        k, v, _ = _key_tile(K, V, bh, cols, num_keys, d, D)
         scores = tl.where(_visible(t, cols, MASK, A, B, num_keys), qk(q, k, USE_DOT) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep everything at 0
@@ -123,10 +130,8 @@ def _backward_kv(Q, K, V, DOUT, LSE, DELTA, DK, DV, start, seq_q, num_keys, scal
     tile, bh = tl.program_id(0), tl.program_id(1)
     cols = tile * BN + tl.arange(0, BN)
     d = tl.arange(0, D)
-    kv_off = (bh * num_keys + cols[:, None]) * D + d[None, :]
+    k, v, kv_off = _key_tile(K, V, bh, cols, num_keys, d, D)
     col_ok = cols[:, None] < num_keys
-    k = tl.load(K + kv_off, mask=col_ok, other=0.0)
-    v = tl.load(V + kv_off, mask=col_ok, other=0.0)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     lo, hi = _queries_of(tile * BN, tl.minimum(tile * BN + BN, num_keys) - 1, start, seq_q, MASK, A, B)
@@ -165,9 +170,7 @@ def _backward_q(Q, K, V, DOUT, LSE, DELTA, DQ, start, seq_q, num_keys, scale, MA
     lo, hi = _keys_of(start + tile * BM, start + tl.minimum(tile * BM + BM, seq_q) - 1, MASK, A, B, num_keys)
     for n0 in range(lo, hi, BN):
         cols = n0 + tl.arange(0, BN)
-        kv_off = (bh * num_keys + cols[:, None]) * D + d[None, :]
-        k = tl.load(K + kv_off, mask=cols[:, None] < num_keys, other=0.0)
-        v = tl.load(V + kv_off, mask=cols[:, None] < num_keys, other=0.0)
+        k, v, _ = _key_tile(K, V, bh, cols, num_keys, d, D)
         p = _probabilities(q, k, lse, _visible(start + rows, cols, MASK, A, B, num_keys), scale, USE_DOT)
         ds = p * (qk(do, v, USE_DOT) - delta[:, None])
         dq += pv(ds, k, USE_DOT)

@@ -7,10 +7,10 @@ from torch import Tensor, nn
 class Rotary(nn.Module):
     """Rotates each pair of channels (x[2i], x[2i+1]) by the angle position * base^(-2i / dim_head).
 
-    In fp32 and fp64 (eager), as one complex multiplication of each pair by e^(i angle): one pass over x
-    (0.5 ms against 4.3 ms for x * cos + swap(x) * sin on [2, 2, 8192, 64], AMD EPYC). Other
-    dtypes (bf16 has no complex type), and code torch.compile traces, use x * cos + swap(x) * sin, with swap exchanging the two
-    channels of each pair and sin signed (-sin, +sin) per pair. One call may rotate queries and
+    In fp32 and fp64 (eager), as one complex multiplication of each pair by e^(i angle): one pass
+    over x (0.5 ms against 4.3 ms for x * cos + swap(x) * sin on [2, 2, 8192, 64], AMD EPYC). Other
+    dtypes (bf16 has no complex type), and code torch.compile traces, use x * cos + swap(x) * sin,
+    with swap exchanging the two channels of each pair and sin signed (-sin, +sin) per pair. One call may rotate queries and
     keys stacked together, which halves the kernel launches of a decoding step's rotation."""
 
     def __init__(self, dim_head: int, base: float = 10_000.0):

@@ -119,13 +119,12 @@ class Loop:
             stage_ends = not last and self.task.active(step) != active
             if step % tr.log_every == 0 or last or stage_ends:
                 row = {"step": step, **figures, "lr": active[0].schedule.get_last_lr()[0]}
-                loss_key = f"{active[0].prefix}loss"
                 if window_steps:  # none when the window held only the compiling step
                     elapsed = time.perf_counter() - window_t
                     tok_s = samples_per_step * self.task.tokens_per_sample(active[0].prefix) * window_steps / elapsed
                     flops = window_flops / window_steps  # per token: a length curriculum's steps differ
                     row.update(tokens_per_s=round(tok_s, 1), mfu=round(tok_s * flops / self.peak_flops, 4))
-                    bar.set_postfix(loss=f"{figures[loss_key]:.3f}", tok_s=f"{tok_s:,.0f}")
+                    bar.set_postfix(loss=f"{figures[f'{active[0].prefix}loss']:.3f}", tok_s=f"{tok_s:,.0f}")
                     self._throughput.append((tok_s, flops, window_steps))
                 row["wall_s"] = round(run.wall_s(), 2)
                 run.log_metrics(row)

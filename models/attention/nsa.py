@@ -223,20 +223,17 @@ class NativeSparseAttention(nn.Module):
         and key/value projections are not kept either: `forward` recomputes them from x. Block
         selection needs no gradient: it runs once, outside the recomputation."""
         k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
-        if self._cpu_kernels(q):  # one pass scores the compressed keys for selection and attention
+        cpu, triton = self._cpu_kernels(q), fused_selection_kernel(q, self.kernel) == "triton"
+        if cpu or triton:  # one pass scores the compressed keys for selection and attention
             kc, vc = recomputed(self._compress, k_cmp, v_cmp)
-            out_cmp, scores, indices = cpu_compressed_selection(
+            compressed_selection = cpu_compressed_selection if cpu else triton_compressed_selection
+            out_cmp, scores, indices = compressed_selection(
                 q, kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
                 self.fine_block, self._num_forced(), self._num_free(k_cmp.shape[2]))
             out = torch.sigmoid(gates[0]) * out_cmp.view_as(q)
-            local = self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)
-            return out.add_(local)  # in place: the product's backward needs its inputs, not its output
-        if fused_selection_kernel(q, self.kernel) == "triton":  # the same one pass, as Triton kernels
-            kc, vc = recomputed(self._compress, k_cmp, v_cmp)
-            out_cmp, scores, indices = triton_compressed_selection(
-                q, kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride,
-                self.fine_block, self._num_forced(), self._num_free(k_cmp.shape[2]))
-            out = torch.sigmoid(gates[0]) * out_cmp.view_as(q)
+            if cpu:
+                local = self._local_kernels(q, k_slc, v_slc, k_win, v_win, gates[1:], scores, indices)
+                return out.add_(local)  # in place: the product's backward needs its inputs, not its output
             out = out + checkpoint(self._selected_part, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
             return out + checkpoint(self._window_part, q, k_win, v_win, gates[2], use_reentrant=False)
         scores, indices = self._selection(q, k_cmp)

@@ -118,11 +118,17 @@ def test_cpu_kernel_trains_as_the_torch_path(n, diff_topk):
     lengths off every block size."""
     knobs = dict(dim=32, heads=4, dim_head=16, kv_heads=2, sliding_window_size=8, compress_block_size=8,
                  compress_stride=4, fine_block_size=8, num_fine_selected=4, diff_topk=diff_topk)
+    assert_trains_as_the_torch_path(knobs, "cpu", n)
+
+
+def assert_trains_as_the_torch_path(knobs: dict, kernel: str, n: int, device: str = "cpu") -> None:
+    """A training forward and backward of one layer (width 32) on `kernel` gives the outputs, the
+    input's and every parameter's gradients of the PyTorch path from the same weights."""
     torch.manual_seed(0)
-    reference = NativeSparseAttention(**knobs, kernel="torch")
-    fast = NativeSparseAttention(**knobs, kernel="cpu")
+    reference = NativeSparseAttention(**knobs, kernel="torch").to(device)
+    fast = NativeSparseAttention(**knobs, kernel=kernel).to(device)
     fast.load_state_dict(reference.state_dict())
-    x = torch.randn(2, n, 32, requires_grad=True)
+    x = torch.randn(2, n, 32, requires_grad=True, device=device)
     results = []
     for attn in (reference, fast):
         out = attn(x)
@@ -369,20 +375,9 @@ def test_triton_kernels_train_as_the_torch_path(n):
     """A training forward and backward on the Triton kernels (compressed attention and block
     selection from one scoring, selected blocks, the window) gives the outputs and gradients of the
     PyTorch path, at lengths off every block size (under TRITON_INTERPRET=1 without a GPU)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     knobs = dict(dim=32, heads=4, dim_head=16, kv_heads=2, sliding_window_size=8, compress_block_size=8,
                  compress_stride=4, fine_block_size=16, num_fine_selected=4)
-    torch.manual_seed(0)
-    reference = NativeSparseAttention(**knobs, kernel="torch").to(device)
-    fast = NativeSparseAttention(**knobs, kernel="triton").to(device)
-    fast.load_state_dict(reference.state_dict())
-    x = torch.randn(2, n, 32, requires_grad=True, device=device)
-    results = []
-    for attn in (reference, fast):
-        out = attn(x)
-        results.append((out, *torch.autograd.grad(out.square().sum(), [x, *attn.parameters()])))
-    for expected, got in zip(*results):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert_trains_as_the_torch_path(knobs, "triton", n, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_triton_kernel_refuses_a_dim_head_it_cannot_tile():
