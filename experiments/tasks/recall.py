@@ -6,18 +6,24 @@ teacher forcing that is exactly what greedy decoding would answer), and per dept
 with needles (`val_accuracy_depth<i>`). For NSA it also reports whether selection found what each
 answer needs: `val_selection_hit`, the share of (answer, layer, KV head) whose selected blocks hold
 the token the answer copies, and `val_selection_free_hit`, the same among answers whose token no
-forced block (own, initial, previous) holds: what the choice by importance found by itself.
+forced block (own, initial, previous) holds: what the choice by importance found by itself; and,
+where two or more branches are open, `val_accuracy_without_<branch>` per branch: the accuracy with
+that branch's gate held at 0 and the rest as trained, which shows what the recall rests on (an NSA
+that answers through its compressed branch alone loses nearly every answer without it and none
+without its window).
 
     python train.py experiment=mqar
     python train.py experiment=passkey model=nsa
 """
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from experiments.runtime.errors import UserError
 from experiments.tasks.task import Member, Task
-from models.attention.nsa import Selection, recording_selection
+from models.attention.nsa import Selection, branch_closed, open_branches, recording_selection
 from models.transformer import IGNORE, TransformerLM
 
 
@@ -67,6 +73,16 @@ class RecallTask(Task):
         return loss, {"context_loss": context_loss.item()}
 
     def validation_metrics(self, member: Member) -> dict[str, float]:
+        figures = self._validate(member)
+        # NSA: how much of the recall rests on each branch, its gate held at 0 and the others as trained
+        branches = open_branches(member.model)
+        for name in branches if len(branches) > 1 else ():
+            with branch_closed(member.model, name):
+                figures[f"val_accuracy_without_{name}"] = self._validate(member, record=False)["val_accuracy"]
+        return {k: self.ctx.backend.all_reduce_mean(v) for k, v in figures.items()}
+
+    def _validate(self, member: Member, record: bool = True) -> dict[str, float]:
+        """This rank's loss and accuracy over the validation items; with `record`, NSA's selection hits."""
         tr, backend, data = self.ctx.trainer, self.ctx.backend, self.ctx.data
         loss_sum = answers = 0.0
         right = torch.zeros(data.depth_bins)
@@ -75,7 +91,7 @@ class RecallTask(Task):
         for batch in data.val_batches(tr.val_batches, tr.batch_size * backend.world_size):
             inputs, targets, depth = (t.to(backend.device) for t in self.val_shard(batch))
             answer = targets != IGNORE
-            with backend.autocast(), recording_selection(member.model) as selections:
+            with backend.autocast(), recording_selection(member.model) if record else nullcontext([]) as selections:
                 logits = member.model(inputs, at=answer)
             if selections:
                 hits += selection_hits(selections, data.needles(inputs, targets))
@@ -91,7 +107,7 @@ class RecallTask(Task):
             figures["val_selection_hit"] = (hits[0] / hits[1]).item()
         if hits[3]:
             figures["val_selection_free_hit"] = (hits[2] / hits[3]).item()
-        return {k: backend.all_reduce_mean(v) for k, v in figures.items()}
+        return figures
 
     @torch.no_grad()
     def sample(self, step: int) -> None:

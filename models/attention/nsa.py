@@ -104,6 +104,28 @@ def recording_selection(model: nn.Module) -> Iterator[list[Selection]]:
             layer.selections = None
 
 
+def open_branches(model: nn.Module) -> list[str]:
+    """The branches open in every NSA layer of `model` (none without NSA layers), in BRANCH_NAMES order."""
+    layers = [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
+    return [name for i, name in enumerate(BRANCH_NAMES) if layers and all(i not in layer.closed for layer in layers)]
+
+
+@contextmanager
+def branch_closed(model: nn.Module, name: str) -> Iterator[None]:
+    """Within it, every NSA layer of `model` holds branch `name`'s gate at 0, as `branches` without
+    it would: a knock-out at evaluation, which says how much of what a trained model does rests on
+    that branch. The layers' own branches come back on exit."""
+    layers = [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
+    kept = [layer.closed for layer in layers]
+    for layer in layers:
+        layer.closed = sorted(set(layer.closed) | {BRANCH_NAMES.index(name)})
+    try:
+        yield
+    finally:
+        for layer, closed in zip(layers, kept):
+            layer.closed = closed
+
+
 class BlockCompressor(nn.Module):
     """Per-KV-head MLP from a block [l, dim_head] (+ intra-block position) to one [dim_head]."""
 

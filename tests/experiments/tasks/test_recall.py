@@ -44,6 +44,22 @@ def test_an_nsa_mqar_run_reports_how_often_selection_held_the_needle(tmp_path):
     summary = read_summary(run)
     assert 0 < summary["val_selection_free_hit"] < 1  # the one free block sometimes holds the pair, not always
     assert summary["val_selection_free_hit"] < summary["val_selection_hit"] <= 1  # the initial block holds half
+    validation = [row for row in read_metrics(run) if "val_accuracy" in row][-1]
+    for branch in ("compressed", "selected", "window"):  # the knock-outs, beside what they knock out
+        assert 0 <= summary[f"val_accuracy_without_{branch}"] <= 1
+        assert validation[f"val_accuracy_without_{branch}"] == summary[f"val_accuracy_without_{branch}"]
+
+
+def test_knock_outs_name_the_open_branches_only(tmp_path):
+    """An NSA with two branches reports each one's knock-out; dense attention reports none."""
+    runs = {"nsa": ["model=nsa", "model.branches=[selected,window]"], "dense": ["model=transformer"]}
+    for name, overrides in runs.items():
+        train(tmp_path / name, "experiment=mqar", *overrides, "data.vocab_size=64", "data.seq_len=32", "model.dim=32",
+              "trainer.max_steps=1", "trainer.batch_size=4", "trainer.val_batches=1", "trainer.validate_every=0",
+              base=["trainer.log_every=1", "trainer.progress=false", "trainer.threads=1", "tracker=none"])
+    knock_outs = {name: sorted(k for k in read_summary(tmp_path / name) if k.startswith("val_accuracy_without"))
+                  for name in runs}
+    assert knock_outs == {"nsa": ["val_accuracy_without_selected", "val_accuracy_without_window"], "dense": []}
 
 
 def test_a_passkey_run_reports_accuracy_per_depth(tmp_path):

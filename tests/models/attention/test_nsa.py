@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from kernels.compressed_attention import compressed_attention
 from kernels.compressed_attention.naive import compressed_attention as naive
 from kernels import span_attention
-from models.attention.nsa import BlockCompressor, NativeSparseAttention
+from models.attention.nsa import BlockCompressor, NativeSparseAttention, branch_closed, open_branches
 from tests.helpers.attention_checks import assert_truncated_cache_forgets
 from models.lm import nsa_lm
 
@@ -263,6 +263,27 @@ def test_a_branch_left_out_adds_nothing_and_learns_nothing(kernel):
         whole = tiny_nsa(kernel=kernel, num_fine_selected=4).train()
         assert not torch.allclose(whole(tokens), out, atol=1e-3)  # the same weights with every branch
 
+
+
+def test_a_branch_closed_at_evaluation_computes_as_the_model_built_without_it():
+    """branch_closed(model, name) is the knock-out: the same weights give what a model built with
+    branches lacking `name` gives, and the model's own branches come back on exit."""
+    tokens = torch.randint(0, 64, (2, 30))
+    model = tiny_nsa()
+    trained = model(tokens)
+    assert open_branches(model) == ["compressed", "selected", "window"]
+    for name in open_branches(model):
+        others = tuple(b for b in ("compressed", "selected", "window") if b != name)
+        without = tiny_nsa(branches=others)
+        without.load_state_dict(model.state_dict())
+        with branch_closed(model, name):
+            knocked_out = model(tokens)
+            assert name not in open_branches(model)
+        torch.testing.assert_close(knocked_out, without(tokens), rtol=0, atol=0)
+        assert not torch.allclose(knocked_out, trained, atol=1e-3)
+    torch.testing.assert_close(model(tokens), trained, rtol=0, atol=0)
+    assert open_branches(tiny_nsa(branches=("window",))) == ["window"]
+    assert open_branches(torch.nn.Linear(2, 2)) == []  # no NSA layers: nothing to knock out
 
 def _selected_branch(attn, diff_topk):
     """The selected branch of one layer from fixed inputs, with selection differentiable or not:
