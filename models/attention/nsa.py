@@ -93,7 +93,7 @@ def recording_selection(model: nn.Module) -> Iterator[list[Selection]]:
     """Within it, each NSA layer of `model` appends the blocks it selects in every forward without a
     cache through its one-go path (inference and validation; a diff_topk training step too, once for
     its forward and once for its recomputation) to the list it yields, layer by layer."""
-    layers = [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
+    layers = _nsa_layers(model)
     records: list[Selection] = []
     for layer in layers:
         layer.selections = records
@@ -104,9 +104,13 @@ def recording_selection(model: nn.Module) -> Iterator[list[Selection]]:
             layer.selections = None
 
 
+def _nsa_layers(model: nn.Module) -> list["NativeSparseAttention"]:
+    return [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
+
+
 def open_branches(model: nn.Module) -> list[str]:
     """The branches open in every NSA layer of `model` (none without NSA layers), in BRANCH_NAMES order."""
-    layers = [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
+    layers = _nsa_layers(model)
     return [name for i, name in enumerate(BRANCH_NAMES) if layers and all(i not in layer.closed for layer in layers)]
 
 
@@ -115,7 +119,7 @@ def branch_closed(model: nn.Module, name: str) -> Iterator[None]:
     """Within it, every NSA layer of `model` holds branch `name`'s gate at 0, as `branches` without
     it would: a knock-out at evaluation, which says how much of what a trained model does rests on
     that branch. The layers' own branches come back on exit."""
-    layers = [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
+    layers = _nsa_layers(model)
     kept = [layer.closed for layer in layers]
     for layer in layers:
         layer.closed = sorted(set(layer.closed) | {BRANCH_NAMES.index(name)})
