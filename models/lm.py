@@ -33,6 +33,8 @@ def nsa_lm(
     compress_hidden_mult: float = 1.0,
     diff_topk: bool = False,
     branches=BRANCH_NAMES,
+    gate_bias=(0.0, 0.0, 0.0),
+    shared_kv: bool = False,
     kernel="auto",
     attn_dropout: float = 0.0,
     **backbone,
@@ -51,6 +53,8 @@ def nsa_lm(
         compress_hidden_mult=compress_hidden_mult,
         diff_topk=diff_topk,
         branches=tuple(getattr(b, "value", b) for b in branches),
+        gate_bias=tuple(gate_bias),
+        shared_kv=shared_kv,
         dropout=attn_dropout,
         kernel=getattr(kernel, "value", kernel),
     )

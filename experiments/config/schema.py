@@ -130,6 +130,8 @@ class NSAConfig(TransformerConfig):
     compress_hidden_mult: float = MISSING  # hidden width of the compression MLP, in dim_head units
     diff_topk: bool = MISSING  # selection passes gradient to the compressed keys (straight-through)
     branches: list[Branch] = MISSING  # the branches whose gates are free; the others held at 0 (ablations)
+    gate_bias: list[float] = MISSING  # a fixed offset of each branch's gate logit (ablations: gates start open/closed)
+    shared_kv: bool = MISSING  # one key/value projection for the three branches (an ablation)
     kernel: Kernel = MISSING
 
 

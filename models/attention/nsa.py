@@ -36,8 +36,8 @@ keeps only the log-sum-exp besides its inputs for the backward. Decoding (querie
 gathers each query's selected blocks directly: a step reads the compressed keys, n blocks and the
 window, never the whole cache.
 
-Each branch has its own keys and values (as the paper: no gradient shortcuts between branches);
-the query projection is shared. Rotary positions apply to the selected and window branches; the
+Each branch has its own keys and values (as the paper: no gradient shortcuts between branches;
+`shared_kv`, an ablation, gives all three one projection); the query projection is shared. Rotary positions apply to the selected and window branches; the
 compressed branch gets its positions from the intra-block embedding and the causal block mask.
 """
 
@@ -187,15 +187,21 @@ class NativeSparseAttention(nn.Module):
         compress_hidden_mult: float = 1.0,
         diff_topk: bool = False,
         branches: tuple[str, ...] = BRANCH_NAMES,
+        gate_bias: tuple[float, ...] = (0.0,) * BRANCHES,
+        shared_kv: bool = False,
         dropout: float = 0.0,
         kernel: str = "auto",
     ):
         super().__init__()
         _check(heads, kv_heads, dim_head, sliding_window_size, compress_block_size, compress_stride, fine_block_size,
-               num_fine_selected, kernel, branches)
+               num_fine_selected, kernel, branches, gate_bias)
         # an ablation: the gates of the branches left out are held at 0 (sigmoid of -inf), so they add
         # nothing and pass no gradient
         self.closed = [i for i, name in enumerate(BRANCH_NAMES) if name not in branches]
+        # ablations: a fixed offset of each branch's gate logit (the gates start at sigmoid of it, and
+        # a gate's learnt bias moves from there), and one key/value projection that every branch reads
+        self.gate_bias = tuple(float(b) for b in gate_bias) if any(gate_bias) else None
+        self.shared_kv = shared_kv
         self.heads, self.kv_heads, self.dim_head = heads, kv_heads, dim_head
         self.group = heads // kv_heads
         self.window = sliding_window_size
@@ -205,7 +211,7 @@ class NativeSparseAttention(nn.Module):
         self.dropout = dropout
         self.kernel = kernel
         self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
-        self.to_kv = nn.Linear(dim, BRANCHES * 2 * kv_heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(dim, (1 if shared_kv else BRANCHES) * 2 * kv_heads * dim_head, bias=False)
         self.to_gates = nn.Linear(dim, BRANCHES * heads)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
         hidden = max(1, int(dim_head * compress_hidden_mult))
@@ -227,8 +233,11 @@ class NativeSparseAttention(nn.Module):
             q = rearrange(projections.apply(self.to_q, x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
             # six [b, h, n, d] views of one projection: their gradients are stacked straight into its layout
             kv = tuple(t.transpose(1, 2) for t in
-                       projections.apply(self.to_kv, x).unflatten(-1, (2 * BRANCHES, self.kv_heads, -1)).unbind(2))
+                       projections.apply(self.to_kv, x).unflatten(-1, (-1, self.kv_heads, self.dim_head)).unbind(2))
+            kv = kv * BRANCHES if self.shared_kv else kv
             gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
+            if self.gate_bias is not None:
+                gates = gates + torch.tensor(self.gate_bias, dtype=gates.dtype, device=x.device).view(-1, 1, 1, 1, 1, 1)
             if self.closed:
                 gates = gates.index_fill(0, torch.tensor(self.closed, device=x.device), float("-inf"))
             if not training:
@@ -557,8 +566,12 @@ def _gathered_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid:
     return torch.einsum("bhgmk,bhmkd->bhgmd", probs.to(q.dtype), values)
 
 
-def _check(heads, kv_heads, dim_head, window, block, stride, fine_block, num_selected, kernel, branches) -> None:
+def _check(heads, kv_heads, dim_head, window, block, stride, fine_block, num_selected, kernel, branches,
+           gate_bias) -> None:
     """Reject knob combinations NSA cannot run, saying how to fix them."""
+    if len(gate_bias) != BRANCHES:
+        raise ValueError(f"gate_bias={list(gate_bias)} must give one logit offset per branch "
+                         f"({', '.join(BRANCH_NAMES)}): set model.gate_bias, e.g. [0,0,0]")
     if not branches or set(branches) - set(BRANCH_NAMES):
         raise ValueError(f"branches={list(branches)} must name at least one of {', '.join(BRANCH_NAMES)}: "
                          "set model.branches")

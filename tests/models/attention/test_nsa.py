@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from kernels.compressed_attention import compressed_attention
 from kernels.compressed_attention.naive import compressed_attention as naive
 from kernels import span_attention
+from models.attention.dense import DenseAttention
 from models.attention.nsa import BlockCompressor, NativeSparseAttention, branch_closed, open_branches
 from tests.helpers.attention_checks import assert_truncated_cache_forgets
 from models.lm import nsa_lm
@@ -239,6 +240,7 @@ def test_lengths_not_multiples_of_blocks_give_finite_gradients(n):
     (dict(num_fine_selected=0), "num_fine_selected"),
     (dict(branches=()), "model.branches"),
     (dict(branches=("window", "local")), "model.branches"),
+    (dict(gate_bias=(3.0,)), "model.gate_bias"),
 ])
 def test_invalid_knobs_say_how_to_fix_them(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -284,6 +286,72 @@ def test_a_branch_closed_at_evaluation_computes_as_the_model_built_without_it():
     torch.testing.assert_close(model(tokens), trained, rtol=0, atol=0)
     assert open_branches(tiny_nsa(branches=("window",))) == ["window"]
     assert open_branches(torch.nn.Linear(2, 2)) == []  # no NSA layers: nothing to knock out
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_window_alone_held_open_is_dense_attention_in_training(kernel):
+    """A window as long as the sequence, the other branches closed and its gate held at 1, is the
+    dense baseline's attention (rotary positions included) on the training path: the same weights
+    give the same output and the same gradients, so anything NSA learns differently from dense
+    attention comes from its gates and its other branches, not from the window's computation."""
+    torch.manual_seed(0)
+    dim, heads, d, n = 32, 2, 16, 40
+    dense = DenseAttention(dim=dim, heads=heads, dim_head=d)
+    nsa = NativeSparseAttention(dim=dim, heads=heads, dim_head=d, kv_heads=heads, sliding_window_size=n,
+                                compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=3,
+                                branches=("window",), gate_bias=(0.0, 0.0, 30.0), kernel=kernel)  # sigmoid(30) = 1 in fp32
+    with torch.no_grad():
+        wq, wk, wv = dense.to_qkv.weight.chunk(3)
+        nsa.to_q.weight.copy_(wq)
+        nsa.to_kv.weight.view(6, heads * d, dim)[4:].copy_(torch.stack((wk, wv)))  # the window's keys, values
+        nsa.to_out.weight.copy_(dense.to_out.weight)
+        nsa.to_gates.weight.zero_()
+    x = torch.randn(2, n, dim, requires_grad=True)
+    expected, out = dense(x), nsa(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    grad_out = torch.randn_like(out)
+    expected_grads = torch.autograd.grad(expected, (x, dense.to_qkv.weight), grad_out)
+    grads = torch.autograd.grad(out, (x, nsa.to_q.weight, nsa.to_kv.weight), grad_out)
+    torch.testing.assert_close(grads[0], expected_grads[0], rtol=1e-5, atol=1e-6)
+    window_kv = grads[2].view(6, heads * d, dim)[4:].flatten(0, 1)
+    torch.testing.assert_close(torch.cat((grads[1], window_kv)), expected_grads[1], rtol=1e-5, atol=1e-6)
+
+
+def test_gate_bias_starts_the_gates_where_a_learnt_bias_would():
+    """gate_bias offsets each branch's gate logit: the same as a model whose gate biases were set
+    to those values, in output and in gradient."""
+    tokens = torch.randint(0, 64, (2, 30))
+    offset = tiny_nsa(gate_bias=(3.0, -2.0, 0.5)).train()
+    biased = tiny_nsa().train()
+    with torch.no_grad():
+        for layer in biased.blocks:
+            gates = layer.attn.to_gates.bias.view(3, -1)  # [branch, heads]
+            gates += torch.tensor([3.0, -2.0, 0.5])[:, None]
+    out, expected = offset(tokens), biased(tokens)
+    torch.testing.assert_close(out, expected)
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    torch.testing.assert_close(offset.blocks[0].attn.to_q.weight.grad, biased.blocks[0].attn.to_q.weight.grad)
+    assert not torch.allclose(tiny_nsa()(tokens), out, atol=1e-3)
+
+
+def test_shared_kv_gives_every_branch_one_projection():
+    """shared_kv: one key/value projection read by all three branches, the same as separate
+    projections holding equal weights (its gradient the sum of theirs)."""
+    tokens = torch.randint(0, 64, (2, 30))
+    shared = tiny_nsa(shared_kv=True).train()
+    separate = tiny_nsa().train()
+    state = shared.state_dict()
+    for i, layer in enumerate(shared.blocks):
+        assert layer.attn.to_kv.weight.shape[0] == separate.blocks[i].attn.to_kv.weight.shape[0] // 3
+        state[f"blocks.{i}.attn.to_kv.weight"] = layer.attn.to_kv.weight.detach().repeat(3, 1)
+    separate.load_state_dict(state)
+    out, expected = shared(tokens), separate(tokens)
+    torch.testing.assert_close(out, expected)
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    summed = separate.blocks[0].attn.to_kv.weight.grad.view(3, -1, 32).sum(0)
+    torch.testing.assert_close(shared.blocks[0].attn.to_kv.weight.grad, summed)
+
 
 def _selected_branch(attn, diff_topk):
     """The selected branch of one layer from fixed inputs, with selection differentiable or not:
