@@ -255,6 +255,7 @@ class MQARDataConfig:
     num_kv_pairs: int = MISSING
     power_a: float = MISSING  # query gaps drawn with weight gap^(power_a - 1)
     random_non_queries: bool = MISSING  # random tokens between the queries (else 0)
+    max_pairs_offset: int = MISSING  # the pairs start at a random token in [0, this]: 0, Zoology's layout
 
 
 @dataclass

@@ -6,6 +6,10 @@ of those keys at power-law distances; after each queried key the model must give
     k1 v1 k2 v2 ... kN vN | 0 0 k2 v2 0 k1 v1 0 0 0 ... kN vN 0 ...
                             targets: v2 after k2, v1 after k1, ...; every other position is ignored
 
+With `max_pairs_offset` > 0 the pairs start at a token drawn in [0, max_pairs_offset] of each item,
+after filler, so that no fixed position (NSA's initial block, say) holds them: an attention must
+find the queried pair by its content.
+
 Keys come from the lower half of the vocabulary, values from the upper half; the rest is random tokens
 (Zoology's `random_non_queries`) or 0.
 
@@ -88,13 +92,18 @@ class RecallData:
 class MQAR(RecallData):
     """Zoology's multi-query associative recall. seq_len counts the model's inputs."""
 
-    def __init__(self, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a: float, random_non_queries: bool):
+    def __init__(self, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a: float, random_non_queries: bool,
+                 max_pairs_offset: int = 0):
         n = num_kv_pairs
         if n < 1:
             raise UserError(f"data.num_kv_pairs={n} must be at least 1")
-        if 4 * n > seq_len + 1:
+        if max_pairs_offset < 0:
+            raise UserError(f"data.max_pairs_offset={max_pairs_offset} must be 0 (the pairs first) or more")
+        if 4 * n + max_pairs_offset > seq_len + 1:
+            room = f" after data.max_pairs_offset={max_pairs_offset}" if max_pairs_offset else ""
             raise UserError(f"data.num_kv_pairs={n} pairs and their {n} queries take {4 * n} tokens, more than "
-                            f"data.seq_len={seq_len} + 1: raise data.seq_len to {4 * n} or lower data.num_kv_pairs")
+                            f"data.seq_len={seq_len} + 1 leaves{room}: raise data.seq_len to "
+                            f"{4 * n + max_pairs_offset - 1}, or lower data.num_kv_pairs or data.max_pairs_offset")
         if vocab_size // 2 - 1 < n:
             raise UserError(f"data.vocab_size={vocab_size} has {max(vocab_size // 2 - 1, 0)} key ids (the lower half "
                             f"but 0), fewer than data.num_kv_pairs={n} distinct keys: raise data.vocab_size to "
@@ -102,25 +111,31 @@ class MQAR(RecallData):
         if not power_a > 0:
             raise UserError(f"data.power_a={power_a} must be positive (Zoology: 0.01)")
         self.vocab_size, self.seq_len, self.num_kv_pairs, self.power_a = vocab_size, seq_len, n, power_a
-        self.random_non_queries = random_non_queries
-        self.name = f"mqar-v{vocab_size}-n{seq_len}-kv{n}-a{power_a}" + ("-r" if random_non_queries else "")
-        # query slots of two tokens after the pairs; slot i (from the pairs on) drawn with weight i^(a - 1)
-        self.slots = (seq_len + 1 - 2 * n) // 2
+        self.random_non_queries, self.max_pairs_offset = random_non_queries, max_pairs_offset
+        self.name = (f"mqar-v{vocab_size}-n{seq_len}-kv{n}-a{power_a}" + ("-r" if random_non_queries else "")
+                     + (f"-o{max_pairs_offset}" if max_pairs_offset else ""))
+        # query slots of two tokens after the pairs (as many as the latest pairs leave room for); slot i
+        # (from the pairs on) drawn with weight i^(a - 1)
+        self.slots = (seq_len + 1 - max_pairs_offset - 2 * n) // 2
         self.slot_weights = torch.arange(1, self.slots + 1, dtype=torch.float64) ** (power_a - 1)
 
     def _draw(self, b: int, gen: torch.Generator, depths: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         n, half = self.num_kv_pairs, self.vocab_size // 2
         keys = torch.rand(b, half - 1, generator=gen).argsort(-1)[:, :n] + 1  # distinct, in [1, half)
         values = torch.randint(half, self.vocab_size, (b, n), generator=gen)
-        if self.random_non_queries:  # what the queries do not overwrite: any token
+        if self.random_non_queries:  # what the pairs and queries do not overwrite: any token
             tokens = torch.randint(0, self.vocab_size, (b, self.seq_len + 1), generator=gen)
         else:
             tokens = torch.zeros(b, self.seq_len + 1, dtype=torch.long)
-        tokens[:, 0 : 2 * n : 2], tokens[:, 1 : 2 * n : 2] = keys, values
         slots = torch.multinomial(self.slot_weights.expand(b, -1), n, replacement=False, generator=gen)
         which = torch.rand(b, n, generator=gen).argsort(-1)  # the pair each query asks for
-        at = 2 * n + 2 * slots  # where each query's key goes; its value follows
+        # where the pairs start: drawn last, so that Zoology's layout (offset 0) draws as it always has
+        offset = (torch.randint(0, self.max_pairs_offset + 1, (b, 1), generator=gen) if self.max_pairs_offset
+                  else torch.zeros(b, 1, dtype=torch.long))
         rows = torch.arange(b)[:, None]
+        pairs = offset + torch.arange(0, 2 * n, 2)
+        tokens[rows, pairs], tokens[rows, pairs + 1] = keys, values
+        at = offset + 2 * n + 2 * slots  # where each query's key goes; its value follows
         tokens[rows, at] = keys.gather(1, which)
         tokens[rows, at + 1] = values.gather(1, which)
         answers = torch.zeros_like(tokens, dtype=torch.bool)
@@ -128,9 +143,14 @@ class MQAR(RecallData):
         return tokens, answers, torch.zeros(b, dtype=torch.long)
 
     def needles(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        n = self.num_kv_pairs
-        pair = (inputs[:, :, None] == inputs[:, None, 0 : 2 * n : 2]).int().argmax(-1)  # [b, seq]: the key's first pair
-        return (2 * pair + 1).masked_fill(targets == IGNORE, -1)
+        """The value of the queried pair: the first place before the answer where its key is followed
+        by the value it asks for (the pairs come before the queries, and a key is in one pair)."""
+        seq = inputs.shape[1]
+        following = torch.cat((inputs[:, 1:], inputs.new_full((inputs.shape[0], 1), -1)), dim=1)  # [b, seq]
+        earlier = torch.ones(seq, seq, dtype=torch.bool, device=inputs.device).tril(-1)  # [answer, position]
+        pair = (inputs[:, None, :] == inputs[:, :, None]) & (following[:, None, :] == targets[:, :, None]) & earlier
+        found = pair.any(-1) & (targets != IGNORE)
+        return torch.where(found, pair.int().argmax(-1) + 1, -1)
 
 
 class Passkey(RecallData):

@@ -28,6 +28,27 @@ def test_every_mqar_answer_is_the_value_its_key_was_given(knobs):
         assert sorted(int(x[p]) for p in asked) == sorted(pairs)  # every key asked once
 
 
+def test_mqar_pairs_start_anywhere_up_to_the_offset_and_needles_find_them():
+    """max_pairs_offset: each item's pairs start at a drawn token in [0, offset], every query comes
+    after them, and `needles` points each answer at its pair's value wherever the pairs lie."""
+    data = mqar(vocab_size=8192, seq_len=64, num_kv_pairs=4, max_pairs_offset=24)  # no chance repeats of a pair
+    inputs, targets, _ = data.train_batch(64, seed=0, step=0)
+    needles = data.needles(inputs, targets)
+    starts = []
+    for x, y, found in zip(inputs, targets, needles):
+        asked = (y != IGNORE).nonzero()[:, 0]
+        assert len(asked) == 4
+        values = found[asked]
+        keys_at = values - 1
+        assert (x[keys_at] == x[asked]).all() and (x[values] == y[asked]).all()  # key, then the value asked for
+        start = int(keys_at.min())
+        assert start <= 24 and (asked > start + 7).all()  # the pairs, then their queries
+        assert sorted(keys_at.tolist()) == list(range(start, start + 8, 2))  # the four pairs lie together
+        starts.append(start)
+    assert len(set(starts)) > 10  # the pairs move from item to item
+    assert (needles[targets == IGNORE] == -1).all()
+
+
 def test_mqar_query_gaps_follow_a_power_law():
     data = mqar(vocab_size=512, seq_len=256, num_kv_pairs=4)
     _, targets, _ = data.train_batch(256, seed=0, step=0)
@@ -55,6 +76,8 @@ def test_batches_are_reproducible_and_split_by_rank():
     ({"vocab_size": 16, "num_kv_pairs": 8}, "data.vocab_size=16 has 7 key ids"),
     ({"num_kv_pairs": 0}, "data.num_kv_pairs=0 must be at least 1"),
     ({"power_a": 0.0}, "data.power_a=0.0 must be positive"),
+    ({"seq_len": 64, "max_pairs_offset": 40}, "after data.max_pairs_offset=40"),
+    ({"max_pairs_offset": -1}, "data.max_pairs_offset=-1 must be 0"),
 ])
 def test_impossible_mqar_knobs_are_refused(knobs, message):
     with pytest.raises(UserError, match=message):
