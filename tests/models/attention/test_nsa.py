@@ -287,22 +287,38 @@ def test_a_branch_closed_at_evaluation_computes_as_the_model_built_without_it():
     assert open_branches(tiny_nsa(branches=("window",))) == ["window"]
     assert open_branches(torch.nn.Linear(2, 2)) == []  # no NSA layers: nothing to knock out
 
+def _forced_blocks_mask(n: int, block: int) -> torch.Tensor:
+    """[n, n] bool: each query's own block up to it, the initial block and the previous block."""
+    query, key = torch.arange(n)[:, None] // block, torch.arange(n)[None] // block
+    return ((key == query) | (key == 0) | (key == query - 1)) & torch.ones(n, n, dtype=torch.bool).tril()
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_window_alone_held_open_is_dense_attention_in_training(kernel):
-    """A window as long as the sequence, the other branches closed and its gate held at 1, is the
-    dense baseline's attention (rotary positions included) on the training path: the same weights
-    give the same output and the same gradients, so anything NSA learns differently from dense
-    attention comes from its gates and its other branches, not from the window's computation."""
+@pytest.mark.parametrize("branch,num_fine_selected,mask", [
+    ("window", 3, None),            # a window as long as the sequence: causal attention
+    ("selected", 10, None),         # every block selected: causal attention
+    ("selected", 3, "forced"),      # the forced blocks alone: attention masked to them
+], ids=["window", "selected-every-block", "selected-forced-blocks"])
+def test_one_branch_held_open_trains_as_dense_attention_over_its_keys(kernel, branch, num_fine_selected, mask):
+    """One branch, the others closed and its gate held at 1, is the dense baseline's attention
+    (rotary positions included) over the keys the branch reaches, on the training path: the same
+    weights give the same output and the same gradients. So what an ablation of NSA learns
+    differently from dense attention comes from the keys it reaches, its gates and its other
+    branches, not from how a branch computes."""
     torch.manual_seed(0)
-    dim, heads, d, n = 32, 2, 16, 40
-    dense = DenseAttention(dim=dim, heads=heads, dim_head=d)
+    dim, heads, d, n, block = 32, 2, 16, 40, 4
+    mask = _forced_blocks_mask(n, block) if mask else None
+    dense = DenseAttention(dim=dim, heads=heads, dim_head=d, mask=mask)
+    index = ("compressed", "selected", "window").index(branch)
     nsa = NativeSparseAttention(dim=dim, heads=heads, dim_head=d, kv_heads=heads, sliding_window_size=n,
-                                compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=3,
-                                branches=("window",), gate_bias=(0.0, 0.0, 30.0), kernel=kernel)  # sigmoid(30) = 1 in fp32
+                                compress_block_size=4, compress_stride=2, fine_block_size=block,
+                                num_fine_selected=num_fine_selected, branches=(branch,),
+                                gate_bias=tuple(30.0 if i == index else 0.0 for i in range(3)),  # sigmoid(30) = 1 in fp32
+                                kernel=kernel)
     with torch.no_grad():
         wq, wk, wv = dense.to_qkv.weight.chunk(3)
         nsa.to_q.weight.copy_(wq)
-        nsa.to_kv.weight.view(6, heads * d, dim)[4:].copy_(torch.stack((wk, wv)))  # the window's keys, values
+        nsa.to_kv.weight.view(3, 2, heads * d, dim)[index].copy_(torch.stack((wk, wv)))  # the branch's keys, values
         nsa.to_out.weight.copy_(dense.to_out.weight)
         nsa.to_gates.weight.zero_()
     x = torch.randn(2, n, dim, requires_grad=True)
@@ -312,8 +328,8 @@ def test_window_alone_held_open_is_dense_attention_in_training(kernel):
     expected_grads = torch.autograd.grad(expected, (x, dense.to_qkv.weight), grad_out)
     grads = torch.autograd.grad(out, (x, nsa.to_q.weight, nsa.to_kv.weight), grad_out)
     torch.testing.assert_close(grads[0], expected_grads[0], rtol=1e-5, atol=1e-6)
-    window_kv = grads[2].view(6, heads * d, dim)[4:].flatten(0, 1)
-    torch.testing.assert_close(torch.cat((grads[1], window_kv)), expected_grads[1], rtol=1e-5, atol=1e-6)
+    branch_kv = grads[2].view(3, 2 * heads * d, dim)[index]
+    torch.testing.assert_close(torch.cat((grads[1], branch_kv)), expected_grads[1], rtol=1e-5, atol=1e-5)  # sums over tokens
 
 
 def test_gate_bias_starts_the_gates_where_a_learnt_bias_would():
