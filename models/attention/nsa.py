@@ -37,8 +37,9 @@ gathers each query's selected blocks directly: a step reads the compressed keys,
 window, never the whole cache.
 
 Each branch has its own keys and values (as the paper: no gradient shortcuts between branches;
-`shared_kv`, an ablation, gives all three one projection); the query projection is shared. Rotary positions apply to the selected and window branches; the
-compressed branch gets its positions from the intra-block embedding and the causal block mask.
+`shared_kv`, an ablation, gives all three one projection); the query projection is shared. Rotary
+positions apply to the selected and window branches; the compressed branch gets its positions from
+the intra-block embedding and the causal block mask.
 """
 
 import math

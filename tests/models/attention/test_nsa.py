@@ -9,7 +9,7 @@ from kernels.compressed_attention import compressed_attention
 from kernels.compressed_attention.naive import compressed_attention as naive
 from kernels import span_attention
 from models.attention.dense import DenseAttention
-from models.attention.nsa import BlockCompressor, NativeSparseAttention, branch_closed, open_branches
+from models.attention.nsa import BRANCH_NAMES, BlockCompressor, NativeSparseAttention, branch_closed, open_branches
 from tests.helpers.attention_checks import assert_truncated_cache_forgets
 from models.lm import nsa_lm
 
@@ -287,6 +287,7 @@ def test_a_branch_closed_at_evaluation_computes_as_the_model_built_without_it():
     assert open_branches(tiny_nsa(branches=("window",))) == ["window"]
     assert open_branches(torch.nn.Linear(2, 2)) == []  # no NSA layers: nothing to knock out
 
+
 def _forced_blocks_mask(n: int, block: int) -> torch.Tensor:
     """[n, n] bool: each query's own block up to it, the initial block and the previous block."""
     query, key = torch.arange(n)[:, None] // block, torch.arange(n)[None] // block
@@ -309,7 +310,7 @@ def test_one_branch_held_open_trains_as_dense_attention_over_its_keys(kernel, br
     dim, heads, d, n, block = 32, 2, 16, 40, 4
     mask = _forced_blocks_mask(n, block) if mask else None
     dense = DenseAttention(dim=dim, heads=heads, dim_head=d, mask=mask)
-    index = ("compressed", "selected", "window").index(branch)
+    index = BRANCH_NAMES.index(branch)
     nsa = NativeSparseAttention(dim=dim, heads=heads, dim_head=d, kv_heads=heads, sliding_window_size=n,
                                 compress_block_size=4, compress_stride=2, fine_block_size=block,
                                 num_fine_selected=num_fine_selected, branches=(branch,),
