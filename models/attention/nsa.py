@@ -60,6 +60,8 @@ from kernels.compressed_attention import (block_selection, causal_block_attentio
                                           triton_compressed_selection, triton_dim_supported)
 from kernels.selected_attention import selected_attention
 from kernels.window_attention import triton_window_attention
+from kernels.nsa_attention import triton as nsa_kernels
+from kernels.nsa_attention.ops import nsa_attention
 from models.attention import cache as kv_cache
 from models.attention.tiled import tiled_attention
 from models.recompute import RecomputedLayers, recomputation_pays, recomputed
@@ -231,16 +233,20 @@ class NativeSparseAttention(nn.Module):
         # not while a reversible stack recomputes this layer, whose backward follows at once
         recompute_projections = cache is None and recomputation_pays() and not self.diff_topk and self._cpu_kernels(x)
         with RecomputedLayers(enabled=recompute_projections) as projections:
-            q = rearrange(projections.apply(self.to_q, x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
-            # six [b, h, n, d] views of one projection: their gradients are stacked straight into its layout
-            kv = tuple(t.transpose(1, 2) for t in
-                       projections.apply(self.to_kv, x).unflatten(-1, (-1, self.kv_heads, self.dim_head)).unbind(2))
+            q = projections.apply(self.to_q, x).unflatten(-1, (self.heads, self.dim_head))  # [b, n, heads, d]
+            # six [b, n, kv_heads, d] views of one projection: their gradients are stacked straight into its layout
+            kv = projections.apply(self.to_kv, x).unflatten(-1, (-1, self.kv_heads, self.dim_head)).unbind(2)
             kv = kv * BRANCHES if self.shared_kv else kv
-            gates = rearrange(self.to_gates(x), "b n (s h g) -> s b h g n 1", s=BRANCHES, h=self.kv_heads)
+            gates = self.to_gates(x).unflatten(-1, (BRANCHES, self.heads))  # [b, n, 3, heads]
             if self.gate_bias is not None:
-                gates = gates + torch.tensor(self.gate_bias, dtype=gates.dtype, device=x.device).view(-1, 1, 1, 1, 1, 1)
+                gates = gates + torch.tensor(self.gate_bias, dtype=gates.dtype, device=x.device).view(-1, 1)
             if self.closed:
-                gates = gates.index_fill(0, torch.tensor(self.closed, device=x.device), float("-inf"))
+                gates = gates.index_fill(2, torch.tensor(self.closed, device=x.device), float("-inf"))
+            if self._fused_kernels(q):
+                return self.to_out(self._fused(q, kv, gates, cache).flatten(2))
+            q = rearrange(q, "b n (h g) d -> b h g n d", h=self.kv_heads)
+            kv = tuple(t.transpose(1, 2) for t in kv)  # [b, h, n, d]
+            gates = rearrange(gates, "b n s (h g) -> s b h g n 1", h=self.kv_heads)
             if not training:
                 out = self._attend(q, kv, gates, cache)
             elif self.diff_topk:  # selection passes gradient: the branches recompute together
@@ -248,6 +254,34 @@ class NativeSparseAttention(nn.Module):
             else:
                 out = self._train(q, kv, gates)
         return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
+
+    def _fused(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor, cache: Optional[dict]) -> Tensor:
+        """The three gated branches in the fused kernels (kernels/nsa_attention/), in training, inference and
+        decoding alike: q [b, n, heads, d], kv six [b, n, kv_heads, d], gate logits [b, n, 3, heads] ->
+        [b, n, heads, d]."""
+        start = 0 if cache is None else cache.get("pos", 0)
+        if cache is None:
+            kc, vc = self._compress(kv[0].transpose(1, 2), kv[1].transpose(1, 2))
+            local = kv[2:]
+        else:
+            *raw, kc, vc = self._extend_cache(cache, start, *(t.transpose(1, 2) for t in kv))
+            local = tuple(t.transpose(1, 2) for t in raw[2:])
+        n, seq_k = q.shape[1], start + q.shape[1]
+        knobs = nsa_kernels.Knobs(self.compress_k.block, self.compress_k.stride, self.fine_block, self._num_forced(),
+                                  self._num_free(seq_k), self.window)
+        out, blocks = nsa_attention(q, kc, vc, *local, gates, self.rotary.phases(seq_k, q.device), start, knobs)
+        if self.selections is not None and cache is None:
+            chosen = blocks < -(-seq_k // self.fine_block)  # unused slots hold the number of fine blocks
+            self.selections.append(self._selection_record(torch.zeros_like(blocks, dtype=torch.float).masked_fill(
+                ~chosen, float("-inf")), blocks.long().masked_fill(~chosen, 0)))
+        return out
+
+    def _fused_kernels(self, q: Tensor) -> bool:
+        """Whether the fused kernels run this layer: kernel triton, or auto on CUDA, where they take the
+        shape, without differentiable selection or attention dropout in training."""
+        dropout = self.dropout if self.training else 0.0
+        return (fused_selection_kernel(q, self.kernel) == "triton" and not self.diff_topk and dropout == 0.0
+                and nsa_kernels.supported(self.group, self.dim_head, self.fine_block) is None)
 
     def _train(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor) -> Tensor:
         """The training forward: each branch, gated, is recomputed on its own in the backward pass

@@ -1,0 +1,72 @@
+"""NSA's Triton kernels as custom operators (torch.library.custom_op), so torch.compile traces
+through them and CUDA graphs capture them: `sparse_attention::nsa_forward` and
+`sparse_attention::nsa_backward`, each with a fake (meta) implementation giving its outputs'
+shapes, and the autograd formula joining them. They return new tensors only (no output aliases an
+input) and mutate nothing; every argument is a tensor or an int."""
+
+import torch
+from torch import Tensor
+
+from kernels.nsa_attention import triton as kernels
+
+
+@torch.library.custom_op("sparse_attention::nsa_forward", mutates_args=())
+def nsa_forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
+                gates: Tensor, phases: Tensor, start: int, block: int, stride: int, fine: int, forced: int, free: int,
+                window: int, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> out, blocks, saved, lse (kernels/nsa_attention/triton.py forward)."""
+    knobs = kernels.Knobs(block, stride, fine, forced, free, window)
+    return kernels.forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs, save)
+
+
+@nsa_forward.register_fake
+def _(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, block, stride, fine, forced, free, window, save):
+    b, n, heads, dim = q.shape
+    kv_heads = kc.shape[1]
+    return (q.new_empty(b, n, heads, dim), q.new_empty(b, kv_heads, n, free, dtype=torch.int32),
+            q.new_empty(3 if save else 1, b, n, heads, dim), q.new_empty(3, b, kv_heads, n, heads // kv_heads,
+                                                                           dtype=torch.float32))
+
+
+@torch.library.custom_op("sparse_attention::nsa_backward", mutates_args=())
+def nsa_backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+                 v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor, block: int,
+                 stride: int, fine: int, forced: int, free: int, window: int) -> list[Tensor]:
+    """-> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates (kernels/nsa_attention/triton.py backward)."""
+    knobs = kernels.Knobs(block, stride, fine, forced, free, window)
+    return list(kernels.backward(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks,
+                                 knobs))
+
+
+@nsa_backward.register_fake
+def _(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, block, stride, fine, forced,
+      free, window):
+    return [torch.empty_like(t) for t in (q, kc, vc, k_slc, v_slc, k_win, v_win, gates)]
+
+
+def _setup_context(ctx, inputs, output):
+    q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, *knobs, save = inputs
+    _, blocks, saved, lse = output
+    if start:
+        raise NotImplementedError("the NSA kernels' backward takes queries from position 0 (training), not after a cache")
+    ctx.save_for_backward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks)
+    ctx.knobs = knobs
+    ctx.mark_non_differentiable(blocks, saved, lse)
+
+
+def _backward(ctx, dout, _blocks, _saved, _lse):
+    grads = nsa_backward(dout, *ctx.saved_tensors, *ctx.knobs)
+    return (*grads[:8], None, None, None, None, None, None, None, None, None)
+
+
+nsa_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def nsa_attention(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
+                  gates: Tensor, phases: Tensor, start: int, knobs: kernels.Knobs) -> tuple[Tensor, Tensor]:
+    """The three gated branches on the Triton kernels -> out [b, n, heads, d] (passing gradient to every
+    tensor but phases) and the chosen fine blocks [b, kv_heads, n, free] (int32, num_fine where unused)."""
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kc, vc, k_slc, v_slc, k_win, v_win, gates))
+    out, blocks, _, _ = nsa_forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs.block,
+                                    knobs.stride, knobs.fine, knobs.forced, knobs.free, knobs.window, save)
+    return out, blocks

@@ -1,0 +1,248 @@
+"""Launches of NSA's Triton kernels (triton_kernels.py): the three branches' forward into one gated
+output, and their backward from the saved log-sum-exps; shapes in triton_kernels.py's docstring.
+
+    forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs, save)
+        -> out, blocks, saved, lse
+    backward(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, knobs)
+        -> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates
+
+Tiles: BM = 64 query rows (64 / group positions x group heads), compressed keys 32 a tile (so a
+short reach wastes little), window keys 64, forced and chosen blocks one fine block a tile.
+Launches, each reported to kernels.counters with its grid, tile and the (row, key) pairs visited
+against those its mask needs: forward 3 (compressed with selection, selected, window); backward 3
+dq, 3 dk/dv, the reverse index of the chosen blocks (a sort and a search) and the sums of the
+chunked partials.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from kernels import counters
+from kernels.nsa_attention.triton_kernels import (COMPRESSED, FORCED, WINDOW, backward_dkv_kernel, backward_dq_kernel,
+                                                  forward_kernel)
+from kernels.triton_tiles import tiles_usable
+
+BM = 64  # query rows a program: Hopper's tensor cores want 64 or more
+COMPRESSED_TILE, WINDOW_TILE, IMPORTANCE_TILE = 32, 64, 64
+READERS_PER_CHUNK = 4096  # queries one dk/dv program takes of the long runs of readers (compressed keys, block 0)
+NAMES = {COMPRESSED: "compressed", FORCED: "selected", WINDOW: "window"}
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """NSA's knobs as the kernels take them: compressed blocks of `block` every `stride`, fine
+    blocks of `fine`, `forced` of (own, initial, previous) always attended, `free` chosen ones."""
+
+    block: int
+    stride: int
+    fine: int
+    forced: int
+    free: int
+    window: int
+
+
+def supported(group: int, dim_head: int, fine: int) -> Optional[str]:
+    """Why the kernels cannot take this shape, or None."""
+    if dim_head < 16 or dim_head > 256 or dim_head & (dim_head - 1):
+        return f"dim_head={dim_head} must be a power of two from 16 to 256"
+    if group > BM or group & (group - 1):
+        return f"the GQA group (heads / kv_heads = {group}) must be a power of two up to {BM}"
+    if fine > 128 or fine & (fine - 1):
+        return f"fine_block_size={fine} must be a power of two up to 128"
+    return None
+
+
+def _strides(t: Tensor) -> tuple[int, ...]:
+    """The strides of a [batch, seq, heads, dim_head] tensor's first three dimensions."""
+    if t.stride(-1) != 1:
+        raise ValueError("the Triton NSA kernels need dim_head contiguous")
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _meta(mask: int, q: Tensor, kv_heads: int, knobs: Knobs) -> dict:
+    """The constexprs of one branch's kernels."""
+    group, dim = q.shape[2] // kv_heads, q.shape[3]
+    use_dot = tiles_usable(q.dtype, 16)  # every tile side is 16 or more; not bf16 in the interpreter
+    fine_tile = max(16 if use_dot else 2, knobs.fine)
+    tile = {COMPRESSED: COMPRESSED_TILE, FORCED: fine_tile, WINDOW: WINDOW_TILE}[mask]
+    meta = dict(KVH=kv_heads, G=group, D=dim, BM=BM, BN=tile, MASK=mask, L=knobs.block, S=knobs.stride,
+                FINE=knobs.fine, FORCED_BLOCKS=knobs.forced, FREE=knobs.free if mask != WINDOW else 0,
+                W=knobs.window, SCALE=dim**-0.5, ROTARY=mask != COMPRESSED, USE_DOT=use_dot,
+                num_warps=4 if dim <= 64 else 8)
+    return meta
+
+
+def _selection_meta(q: Tensor, kv_heads: int, knobs: Knobs) -> dict:
+    """The selection pass's tiles: BFE fine blocks a step, the BC compressed blocks that overlap them."""
+    group = q.shape[2] // kv_heads
+    bc = IMPORTANCE_TILE
+    while (knobs.fine + knobs.block - 1) // knobs.stride + 2 > bc:
+        bc *= 2
+    bfe = 1
+    while ((bfe + 1) * knobs.fine + knobs.block - 1) // knobs.stride + 2 <= bc:
+        bfe += 1
+    bf = triton.next_power_of_2(bfe)
+    positions = BM // group
+    return dict(GP=max(16 if tiles_usable(q.dtype, 16) else 2, group), KB=max(16 if tiles_usable(q.dtype, 16) else 2,
+                                                                              knobs.fine),
+                KP=max(2, triton.next_power_of_2(knobs.free)), BF=bf, BFE=bfe, BC=bc,
+                DOT_IMPORTANCE=positions >= 16 and bf >= 16)
+
+
+class _Count:
+    """A launch's counter of visited pairs while kernels.counters records, else a placeholder."""
+
+    def __init__(self, device):
+        self.on = counters.counting()
+        self.tensor = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def record(self, name: str, grid: tuple, rows: int, keys: int, needed: int) -> None:
+        if self.on:
+            counters.record(counters.Launch(name, tuple(grid), rows, keys, int(self.tensor), needed))
+
+
+def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
+            gates: Tensor, phases: Tensor, start: int, knobs: Knobs, save: bool
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gated sum of the three branches -> out [b, n, heads, d], the chosen fine blocks
+    [b, kv_heads, n, free] (int32, num_fine where unused), and for the backward the branches'
+    outputs before their gates [3, b, n, heads, d] (only the selected branch's scratch unless
+    `save`) and their log-sum-exps [3, b, kv_heads, n, group]."""
+    b, n, heads, dim = q.shape
+    kv_heads, num_blocks = kc.shape[1], kc.shape[2]
+    group, num_keys = heads // kv_heads, k_slc.shape[1]
+    num_fine = triton.cdiv(num_keys, knobs.fine)
+    out = torch.empty(b, n, heads, dim, device=q.device, dtype=q.dtype)
+    saved = torch.empty(3 if save else 1, b, n, heads, dim, device=q.device, dtype=q.dtype)
+    lse = torch.empty(3, b, kv_heads, n, group, device=q.device, dtype=torch.float32)
+    blocks = torch.empty(b, kv_heads, n, knobs.free, device=q.device, dtype=torch.int32)
+    if n == 0:
+        return out, blocks, saved, lse
+    grid = (triton.cdiv(n, BM // group), b * kv_heads)
+    selection = _selection_meta(q, kv_heads, knobs)
+    branches = ((COMPRESSED, kc, vc, num_blocks), (FORCED, k_slc, v_slc, num_keys),
+                (WINDOW, k_win, v_win, num_keys))
+    for i, (mask, k, v, keys) in enumerate(branches):  # i: the branch's place in gates, saved and lse
+        count = _Count(q.device)
+        meta = _meta(mask, q, kv_heads, knobs)
+        forward_kernel[grid](q, k, v, gates[:, :, i], out, saved[i if save else 0], lse[i], phases, blocks,
+                             count.tensor, *_strides(q), *_key_strides(mask, k), *_strides(gates[:, :, i]), start, n,
+                             keys, num_fine, ACCUMULATE=i > 0,
+                             SAVE=save or mask == FORCED, COUNT=count.on, **selection, **meta)
+        count.record(f"{NAMES[mask]}_forward", grid, BM, meta["BN"],
+                     group * needed_pairs(mask, start, n, keys, knobs, blocks, pass_count=2 if mask == COMPRESSED
+                                          and knobs.free else 1) if count.on else 0)
+    return out, blocks, saved, lse
+
+
+def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+             v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor, knobs: Knobs
+             ) -> tuple[Tensor, ...]:
+    """Gradients of forward's out (from position 0) -> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates."""
+    b, n, heads, dim = q.shape
+    kv_heads, num_blocks = kc.shape[1], kc.shape[2]
+    group, num_keys = heads // kv_heads, k_slc.shape[1]
+    num_fine = triton.cdiv(num_keys, knobs.fine)
+    dout = dout.contiguous()
+    dq = torch.empty_like(dout)
+    dgates = torch.empty_like(gates)
+    delta = torch.empty_like(lse)
+    dkc, dvc = torch.empty_like(kc), torch.empty_like(vc)
+    dk_slc, dv_slc, dk_win, dv_win = (torch.empty(t.shape, device=t.device, dtype=t.dtype)
+                                      for t in (k_slc, v_slc, k_win, v_win))
+    selection = _selection_meta(q, kv_heads, knobs)
+    grid = (triton.cdiv(n, BM // group), b * kv_heads)
+    branches = {COMPRESSED: (kc, vc, num_blocks), FORCED: (k_slc, v_slc, num_keys), WINDOW: (k_win, v_win, num_keys)}
+    order, first = _reverse_index(blocks, num_fine) if knobs.free else (blocks, blocks)
+    # dq: the selected branch first (its chosen blocks use DQ as a scratch), the others add to it
+    for mask in (FORCED, COMPRESSED, WINDOW):
+        k, v, keys = branches[mask]
+        meta = _meta(mask, q, kv_heads, knobs)
+        count = _Count(q.device)
+        backward_dq_kernel[grid](q, k, v, gates[:, :, mask], dout, saved[mask],
+                                 lse[mask], delta[mask], dgates[:, :, mask], dq, phases,
+                                 blocks, count.tensor, *_strides(q), *_key_strides(mask, k),
+                                 *_strides(gates[:, :, mask]), *_strides(dout), 0, n, keys,
+                                 ACCUMULATE=mask != FORCED, COUNT=count.on, GP=selection["GP"], KB=selection["KB"],
+                                 **meta)
+        count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"],
+                     group * needed_pairs(mask, 0, n, keys, knobs, blocks) if count.on else 0)
+    # dk, dv: compressed (readers in chunks), selected (block 0's initial readers in chunks), window
+    for mask, dk, dv in ((COMPRESSED, dkc, dvc), (FORCED, dk_slc, dv_slc), (WINDOW, dk_win, dv_win)):
+        k, v, keys = branches[mask]
+        meta = _meta(mask, q, kv_heads, knobs)
+        if mask == COMPRESSED:
+            tiles, chunks = triton.cdiv(keys, meta["BN"]), _chunks(n, b * kv_heads * keys * dim * 8, q)
+            grid_kv, rows = (tiles, chunks, b * kv_heads), keys
+        elif mask == FORCED:
+            chunks = triton.cdiv(max(0, n - knobs.fine), READERS_PER_CHUNK) if knobs.forced >= 2 else 0
+            grid_kv, rows = (num_fine + chunks, 1, b * kv_heads), min(knobs.fine, keys)
+        else:
+            chunks, grid_kv, rows = 0, (triton.cdiv(keys, meta["BN"]), 1, b * kv_heads), 0
+        chunked = mask == COMPRESSED and chunks > 1
+        used = chunked or (mask == FORCED and chunks)  # else a placeholder
+        partial = torch.empty(2, chunks if used else 1, b * kv_heads, rows if used else 1, dim, device=q.device,
+                              dtype=torch.float32)
+        count = _Count(q.device)
+        backward_dkv_kernel[grid_kv](q, k, v, gates[:, :, mask], dout, lse[mask], delta[mask], dk, dv, partial[0],
+                                     partial[1], phases, first, order, count.tensor, *_strides(q),
+                                     *_key_strides(mask, k), *_strides(gates[:, :, mask]), *_strides(dout),
+                                     *_key_strides(mask, dk), 0, n, keys, num_fine,
+                                     READERS_PER_CHUNK if mask == FORCED else triton.cdiv(n, max(chunks, 1)), rows,
+                                     CHUNKED=chunked, COUNT=count.on, **meta)
+        count.record(f"{NAMES[mask]}_backward_dkv", grid_kv, BM, meta["BN"],
+                     group * needed_pairs(mask, 0, n, keys, knobs, blocks) if count.on else 0)
+        if chunked:
+            sums = partial.sum(1).view(2, b, kv_heads, keys, dim)
+            dk.copy_(sums[0]), dv.copy_(sums[1])
+        elif mask == FORCED and chunks:  # block 0 as the initial block: added to its other readers' sums
+            sums = partial.sum(1).view(2, b, kv_heads, rows, dim).transpose(2, 3)
+            dk[:, :rows] += sums[0].to(dk.dtype)
+            dv[:, :rows] += sums[1].to(dv.dtype)
+    return dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates
+
+
+def _key_strides(mask: int, k: Tensor) -> tuple[int, int, int]:
+    """(batch, position, kv head) strides: k [b, seq, kv_heads, d], or kc [b, kv_heads, blocks, d]."""
+    return (k.stride(0), k.stride(2), k.stride(1)) if mask == COMPRESSED else _strides(k)
+
+
+def _chunks(n: int, chunk_bytes: int, q: Tensor) -> int:
+    """How many chunks the compressed keys' readers are cut into: one per READERS_PER_CHUNK
+    queries, no more than keeps the partial sums within q's size."""
+    return max(1, min(triton.cdiv(n, READERS_PER_CHUNK), q.numel() * q.element_size() // max(chunk_bytes, 1)))
+
+
+def _reverse_index(blocks: Tensor, num_fine: int) -> tuple[Tensor, Tensor]:
+    """The (query, slot) pairs that chose each fine block: blocks [b, kv_heads, n, free] ->
+    order [b * kv_heads, n * free] (pair = query * free + slot, sorted by block, unused last) and
+    first [b * kv_heads, num_fine + 1] (block f's pairs are order[first[f] : first[f + 1]])."""
+    flat = blocks.view(blocks.shape[0] * blocks.shape[1], -1)
+    chosen, order = torch.sort(flat, dim=-1, stable=True)
+    bounds = torch.arange(num_fine + 1, device=blocks.device, dtype=chosen.dtype).repeat(flat.shape[0], 1)
+    first = torch.searchsorted(chosen, bounds)
+    return order, first
+
+
+def needed_pairs(mask: int, start: int, n: int, keys: int, knobs: Knobs, blocks: Tensor, pass_count: int = 1) -> int:
+    """(query, key) pairs a branch's mask lets through for one head, summed over batch * kv heads
+    and queries start..start + n - 1 (counted only while recording launches: it reads the blocks)."""
+    t = torch.arange(start, start + n)
+    bh = blocks.shape[0] * blocks.shape[1]
+    if mask == COMPRESSED:
+        seen = ((t + 1 - knobs.block).div(knobs.stride, rounding_mode="floor") + 1).clamp(0, keys)
+        return pass_count * bh * int(seen.sum())
+    if mask == WINDOW:
+        return bh * int((torch.minimum(t + 1, torch.tensor(keys)) - (t - knobs.window + 1).clamp(min=0)).clamp(min=0).sum())
+    own = t // knobs.fine
+    own_keys = t - own * knobs.fine + 1
+    initial = torch.where(own > 0, torch.full_like(t, knobs.fine), 0) if knobs.forced >= 2 else 0
+    previous = torch.where(own > 1, torch.full_like(t, knobs.fine), 0) if knobs.forced >= 3 else 0
+    forced = bh * int((own_keys + initial + previous).sum())
+    chosen = blocks.cpu().long()
+    reach = (t[None, None, :, None] - chosen * knobs.fine + 1).clamp(0, knobs.fine)
+    return forced + int(reach.sum())
