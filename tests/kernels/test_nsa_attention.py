@@ -1,0 +1,103 @@
+"""NSA's fused Triton kernels against their definition (naive.py): the gated output, the chosen
+blocks and every gradient, on fresh random inputs. On a machine without CUDA the kernels run in
+Triton's interpreter."""
+
+import pytest
+import torch
+
+from kernels.nsa_attention import naive, triton as kernels
+from kernels.nsa_attention.ops import nsa_forward
+from models.rotary import Rotary
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GRADIENTS = ("dq", "dkc", "dvc", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgates")
+
+CASES = [  # (seq, heads, kv_heads, dim_head, block, stride, fine, selected, window, dtype)
+    (37, 4, 2, 16, 8, 4, 8, 4, 8, torch.float32),  # group 2; a length off every block
+    (21, 16, 1, 16, 8, 4, 8, 4, 8, torch.float32),  # group 16: 4 positions a tile
+    (30, 2, 2, 64, 8, 4, 8, 5, 12, torch.float32),  # group 1, dim_head 64, two chosen blocks
+    (19, 2, 1, 128, 8, 4, 16, 3, 8, torch.float32),  # dim_head 128; forced blocks only
+    (24, 4, 2, 16, 4, 4, 4, 1, 5, torch.float32),  # the own block alone; blocks as long as their stride
+    (26, 4, 2, 32, 8, 4, 8, 4, 6, torch.bfloat16),
+]
+
+
+def inputs(seq, heads, kv_heads, dim_head, block, stride, fine, selected, window, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = max(0, (seq - block) // stride + 1)
+    shapes = [(1, seq, heads, dim_head), (1, kv_heads, blocks, dim_head), (1, kv_heads, blocks, dim_head),
+              *[(1, seq, kv_heads, dim_head)] * 4, (1, seq, 3, heads)]
+    tensors = [torch.randn(*shape, generator=gen).to(dtype) for shape in shapes]
+    forced = min(3, selected)
+    knobs = kernels.Knobs(block, stride, fine, forced, max(0, min(selected - forced, -(-seq // fine))), window)
+    return tensors, Rotary(dim_head).phases(seq, "cpu"), knobs
+
+
+def definition(tensors, phases, knobs, start=0):
+    return naive.nsa_attention(*tensors, phases.double(), start, knobs.block, knobs.stride, knobs.fine, knobs.forced,
+                               knobs.free, knobs.window)
+
+
+def assert_close(name, got, expected, dtype):
+    got, expected = got.double().cpu(), expected.double()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5, msg=f"{name} differs")
+    else:  # bf16 operands: a relative error of the whole tensor
+        error = (got - expected).norm() / expected.norm()
+        assert error < 1.5e-2, f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("seq,heads,kv_heads,dim_head,block,stride,fine,selected,window,dtype", CASES,
+                         ids=[f"T{c[0]}-H{c[1]}-KV{c[2]}-D{c[3]}-cmp{c[4]}x{c[5]}-fine{c[6]}-S{c[7]}-w{c[8]}-"
+                              f"{str(c[9])[6:]}" for c in CASES])
+def test_kernels_match_the_definition(seq, heads, kv_heads, dim_head, block, stride, fine, selected, window, dtype):
+    tensors, phases, knobs = inputs(seq, heads, kv_heads, dim_head, block, stride, fine, selected, window, dtype)
+    leaves = [t.double().requires_grad_() for t in tensors]
+    expected, expected_blocks = definition(leaves, phases, knobs)
+    device_tensors = [t.to(DEVICE) for t in tensors]
+    out, blocks, saved, lse = kernels.forward(*device_tensors, phases.to(DEVICE), 0, knobs, save=True)
+    if dtype == torch.float32:  # bf16 rounds the importance: a near tie may go the other way
+        assert torch.equal(blocks.long().cpu(), expected_blocks)
+    assert_close("out", out, expected.detach(), dtype)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected_grads = torch.autograd.grad((expected * grad.double()).sum(), leaves)
+    grads = kernels.backward(grad.to(DEVICE), *device_tensors, phases.to(DEVICE), saved, lse, blocks, knobs)
+    for name, got, want in zip(GRADIENTS, grads, expected_grads):
+        assert_close(name, got, want, dtype)
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_queries_after_a_cache_see_what_the_whole_sequence_shows_them(new):
+    """Decoding: the last `new` queries from position seq - new, over every earlier key."""
+    seq = 40
+    tensors, phases, knobs = inputs(seq, 4, 2, 16, 8, 4, 8, 5, 8, torch.float32, seed=2)
+    expected, expected_blocks = definition([t.double() for t in tensors], phases, knobs)
+    q, kc, vc, *local, gates = (t.to(DEVICE) for t in tensors)
+    out, blocks, _, _ = kernels.forward(q[:, -new:], kc, vc, *local, gates[:, -new:], phases.to(DEVICE), seq - new,
+                                        knobs, save=False)
+    assert torch.equal(blocks.long().cpu(), expected_blocks[:, :, -new:])
+    assert_close("out", out, expected[:, -new:], torch.float32)
+
+
+def test_readers_cut_into_chunks_give_the_same_gradients(monkeypatch):
+    """The compressed keys' readers and the initial block's, cut into chunks whose partial sums are
+    added afterwards, give the gradients of one pass."""
+    tensors, phases, knobs = inputs(40, 4, 2, 16, 8, 4, 8, 5, 8, torch.float32, seed=3)
+    tensors = [t.to(DEVICE) for t in tensors]
+    out, blocks, saved, lse = kernels.forward(*tensors, phases.to(DEVICE), 0, knobs, save=True)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    whole = kernels.backward(grad, *tensors, phases.to(DEVICE), saved, lse, blocks, knobs)
+    monkeypatch.setattr(kernels, "READERS_PER_CHUNK", 8)
+    chunked = kernels.backward(grad, *tensors, phases.to(DEVICE), saved, lse, blocks, knobs)
+    for name, a, b in zip(GRADIENTS, chunked, whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
+def test_the_custom_operator_passes_torch_library_checks():
+    """Schema, fake tensors, autograd registration: what torch.compile relies on."""
+    tensors, phases, knobs = inputs(12, 2, 1, 16, 4, 2, 4, 4, 4, torch.float32, seed=5)
+    args = [t.to(DEVICE).requires_grad_() for t in tensors]
+    torch.library.opcheck(nsa_forward, (*args, phases.to(DEVICE), 0, knobs.block, knobs.stride, knobs.fine,
+                                        knobs.forced, knobs.free, knobs.window, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
