@@ -47,14 +47,15 @@ def _(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, bl
 def _setup_context(ctx, inputs, output):
     q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, *knobs, save = inputs
     _, blocks, saved, lse = output
-    if start:
-        raise NotImplementedError("the NSA kernels' backward takes queries from position 0 (training), not after a cache")
     ctx.save_for_backward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks)
-    ctx.knobs = knobs
+    ctx.knobs, ctx.backward_possible = knobs, save and not start
     ctx.mark_non_differentiable(blocks, saved, lse)
 
 
 def _backward(ctx, dout, _blocks, _saved, _lse):
+    if not ctx.backward_possible:
+        raise RuntimeError("the NSA kernels' backward needs a forward from position 0 with gradients enabled "
+                           "(a training step), not decoding after a cache")
     grads = nsa_backward(dout, *ctx.saved_tensors, *ctx.knobs)
     return (*grads[:8], None, None, None, None, None, None, None, None, None)
 
@@ -66,7 +67,8 @@ def nsa_attention(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tenso
                   gates: Tensor, phases: Tensor, start: int, knobs: kernels.Knobs) -> tuple[Tensor, Tensor]:
     """The three gated branches on the Triton kernels -> out [b, n, heads, d] (passing gradient to every
     tensor but phases) and the chosen fine blocks [b, kv_heads, n, free] (int32, num_fine where unused)."""
-    save = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kc, vc, k_slc, v_slc, k_win, v_win, gates))
+    save = start == 0 and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, kc, vc, k_slc, v_slc, k_win, v_win, gates))
     out, blocks, _, _ = nsa_forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs.block,
                                     knobs.stride, knobs.fine, knobs.forced, knobs.free, knobs.window, save)
     return out, blocks

@@ -12,9 +12,11 @@ queries x group rows, so a small group fills a tensor-core tile with several que
 padding rows of zeros. Optional per-slot weights scale each slot's share of the output (NSA's
 differentiable selection).
 
-Inner products are tensor-core tiles (tl.dot, fp32 accumulation, IEEE precision for fp32 inputs)
-when the block and dim_head are at least 16, the group padded to 16 rows; smaller shapes use a
-broadcast multiply-and-sum. Constraints, checked before launch: dim_head <= 256 and a power of two
+Inner products are tensor-core tiles (tl.dot, fp32 accumulation, IEEE precision for fp32 inputs),
+the group padded to 16 rows and a block under 16 keys padded to 16 masked keys, so a GPU runs
+every shape through the tiles the interpreter checks (a block of 4 at a group of 16 in fp32 once
+took a broadcast multiply-and-sum that the interpreter computed right and a GPU did not); only bf16
+in the interpreter, which numpy cannot take to tl.dot, uses the sum. Constraints, checked before launch: dim_head <= 256 and a power of two
 (32, 64, 128 in practice), group <= 64, block <= 128 and a power of two. Runs on CUDA tensors, or
 on CPU tensors under TRITON_INTERPRET=1 (slow: the tests use tiny shapes).
 """
@@ -48,12 +50,13 @@ def check_supported(q: Tensor, block: int) -> None:
 @triton.jit
 def _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D: tl.constexpr,
                     BLOCK: tl.constexpr):
-    """Slot s of query `row`: its keys and values [BLOCK, D] (zeros where masked), which of them
-    the query may see (in the block, at or before t, slot in use), and their offsets."""
+    """Slot s of query `row`: its keys and values [KB, D] (j = arange(KB), KB >= BLOCK; zeros where
+    masked), which of them the query may see (in the block, at or before t, slot in use), and their
+    offsets."""
     block_index = tl.load(IDX + (bh * seq_q + row) * num_selected + s)
-    ok = tl.load(VALID + (bh * seq_q + row) * num_selected + s + j * 0) != 0  # [BLOCK], one value
+    ok = tl.load(VALID + (bh * seq_q + row) * num_selected + s + j * 0) != 0  # [KB], one value
     key_pos = block_index * BLOCK + j
-    key_ok = (key_pos <= t) & (key_pos < seq_k) & ok
+    key_ok = (key_pos <= t) & (key_pos < seq_k) & ok & (j < BLOCK)
     kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
     k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
     v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
@@ -61,8 +64,8 @@ def _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected,
 
 
 @triton.jit
-def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale,
-             G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
+def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale: tl.constexpr,
+             G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
              WEIGHTED: tl.constexpr):
     row = tl.program_id(0)  # query position within the sequence
     bh = tl.program_id(1)
@@ -70,7 +73,7 @@ def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale
     t = start + row
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
-    j = tl.arange(0, BLOCK)
+    j = tl.arange(0, KB)
     q_ptr = Q + ((bh * seq_q + row) * G + g[:, None]) * D + d[None, :]
     q = tl.load(q_ptr, mask=g[:, None] < G, other=0.0)  # [GP, D]
     m = tl.full([GP], float("-inf"), tl.float32)
@@ -79,7 +82,7 @@ def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale
     for s in range(num_selected):
         k, v, key_ok, kv_off = _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D,
                                                BLOCK)
-        scores = qk(q, k, USE_DOT) * scale  # [GP, BLOCK]
+        scores = qk(q, k, USE_DOT) * scale  # [GP, KB]
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep everything at 0
@@ -99,8 +102,8 @@ def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale
 
 
 @triton.jit
-def _backward_q(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DW, start, seq_k, num_selected, scale,
-                G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
+def _backward_q(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DW, start, seq_k, num_selected, scale: tl.constexpr,
+                G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
                 WEIGHTED: tl.constexpr):
     row = tl.program_id(0)
     bh = tl.program_id(1)
@@ -108,7 +111,7 @@ def _backward_q(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DW, start, seq_k, 
     t = start + row
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
-    j = tl.arange(0, BLOCK)
+    j = tl.arange(0, KB)
     rows = ((bh * seq_q + row) * G + g[:, None]) * D + d[None, :]
     g_ok = g < G
     q = tl.load(Q + rows, mask=g_ok[:, None], other=0.0)
@@ -121,7 +124,7 @@ def _backward_q(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DW, start, seq_k, 
         k, v, key_ok, kv_off = _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D,
                                                BLOCK)
         scores = qk(q, k, USE_DOT) * scale
-        p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [GP, BLOCK]
+        p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [GP, KB]
         dp = qk(do, v, USE_DOT)
         if WEIGHTED:  # out = sum_s w_s P_s V_s: w_s gets sum(P_s * dP_s)
             slot = (bh * seq_q + row) * num_selected + s
@@ -133,23 +136,23 @@ def _backward_q(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DW, start, seq_k, 
 
 @triton.jit
 def _backward_kv(Q, K, V, W, DOUT, LSE, DELTA, DK, DV, FIRST, PAIR_ROW, PAIR_SLOT, start, seq_q, seq_k, num_selected,
-                 num_blocks, scale, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr,
+                 num_blocks, scale: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, GP: tl.constexpr,
                  BQ: tl.constexpr, USE_DOT: tl.constexpr, WEIGHTED: tl.constexpr):
-    """One key block's dk, dv [BLOCK, D] from the (query, slot) pairs that chose it:
+    """One key block's dk, dv [KB, D] from the (query, slot) pairs that chose it:
     PAIR_ROW/PAIR_SLOT[FIRST[b] : FIRST[b + 1]] for block b = bh * num_blocks + key block."""
     key_block = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh * num_blocks + key_block
-    j = tl.arange(0, BLOCK)
+    j = tl.arange(0, KB)
     d = tl.arange(0, D)
     g = tl.arange(0, GP)
     key_pos = key_block * BLOCK + j
     kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
-    in_seq = key_pos < seq_k
+    in_seq = (key_pos < seq_k) & (j < BLOCK)
     k = tl.load(K + kv_off, mask=in_seq[:, None], other=0.0)
     v = tl.load(V + kv_off, mask=in_seq[:, None], other=0.0)
-    dk = tl.zeros([BLOCK, D], tl.float32)
-    dv = tl.zeros([BLOCK, D], tl.float32)
+    dk = tl.zeros([KB, D], tl.float32)
+    dv = tl.zeros([KB, D], tl.float32)
     pairs_end = tl.load(FIRST + b + 1)
     for p0 in range(tl.load(FIRST + b), pairs_end, BQ):
         pair = p0 + tl.arange(0, BQ)
@@ -166,9 +169,9 @@ def _backward_kv(Q, K, V, W, DOUT, LSE, DELTA, DK, DV, FIRST, PAIR_ROW, PAIR_SLO
         delta = tl.reshape(tl.load(DELTA + head, mask=ok, other=0.0), (BQ * GP,))
         # a key counts for a pair where it is at or before the query (and in the sequence)
         visible = ok[:, :, None] & (key_pos[None, None, :] <= start + row[:, None, None]) & in_seq[None, None, :]
-        visible = tl.reshape(visible, (BQ * GP, BLOCK))
+        visible = tl.reshape(visible, (BQ * GP, KB))
         scores = qk(q, k, USE_DOT) * scale
-        p = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)  # [BQ * GP, BLOCK]
+        p = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)  # [BQ * GP, KB]
         dp = qk(do, v, USE_DOT)
         if WEIGHTED:
             slot = tl.load(PAIR_SLOT + pair, mask=pair_ok, other=0)
@@ -190,18 +193,20 @@ def _reverse_index(indices: Tensor, valid: Tensor, num_blocks: int) -> tuple[Ten
     bh, m, slots = indices.shape
     block = indices + torch.arange(bh, device=indices.device)[:, None, None] * num_blocks
     block = block.masked_fill(~valid, bh * num_blocks).flatten()  # unused slots sort last
-    order = torch.argsort(block, stable=True)[: int(valid.sum())]
-    counts = torch.bincount(block[order], minlength=bh * num_blocks)
+    order = torch.argsort(block, stable=True)  # all of them: no host sync to count the used slots
+    counts = torch.bincount(block, minlength=bh * num_blocks + 1)[:-1]
     first = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
     return first, ((order // slots) % m).to(torch.int32), (order % slots).to(torch.int32)
 
 
 def _launch_args(q: Tensor, k: Tensor, indices: Tensor, start: int, block: int, weights):
     bh, m, group, dim = q.shape
-    # tensor-core tiles need every side >= 16: the group is padded up to 16 rows when they are used
-    use_dot = tiles_usable(q.dtype, block, dim)
+    # tensor-core tiles need every side >= 16: the group is padded up to 16 rows, and a block under 16
+    # keys to 16 masked keys, so every shape takes the same tiles on a GPU as in the interpreter
+    use_dot = tiles_usable(q.dtype, dim)
     padded = triton.next_power_of_2(group)
-    meta = dict(G=group, D=dim, BLOCK=block, GP=max(16 if use_dot else 2, padded), USE_DOT=use_dot)
+    meta = dict(G=group, D=dim, BLOCK=block, KB=max(16 if use_dot else 1, block), GP=max(16 if use_dot else 2, padded),
+                USE_DOT=use_dot)
     meta["WEIGHTED"] = weights is not None
     return (m, bh), (start, k.shape[1], indices.shape[-1], dim**-0.5), meta
 

@@ -16,6 +16,9 @@ from models.lm import nsa_lm
 # the selected and window branches from position 0: plain PyTorch, and the span-attention CPU kernel
 KERNELS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not span_attention.available(),
                                                                  reason="no C compiler for the CPU kernel"))]
+# and the fused Triton kernels (kernels/nsa_attention/; in Triton's interpreter without a GPU), which
+# need dim_head 16 or more
+TRITON = pytest.param("triton", marks=pytest.mark.triton)
 KNOBS = dict(kv_heads=2, sliding_window_size=8, compress_block_size=4, compress_stride=2, fine_block_size=4,
              num_fine_selected=3)
 
@@ -294,7 +297,7 @@ def _forced_blocks_mask(n: int, block: int) -> torch.Tensor:
     return ((key == query) | (key == 0) | (key == query - 1)) & torch.ones(n, n, dtype=torch.bool).tril()
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [*KERNELS, TRITON])
 @pytest.mark.parametrize("branch,num_fine_selected,mask", [
     ("window", 3, None),            # a window as long as the sequence: causal attention
     ("selected", 10, None),         # every block selected: causal attention
@@ -490,3 +493,20 @@ def test_triton_kernel_refuses_a_dim_head_it_cannot_tile():
     with pytest.raises(ValueError, match="kernel=triton needs dim_head a power of two from 16 to 256, not 8"):
         NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=4, compress_block_size=4,
                               compress_stride=2, fine_block_size=4, num_fine_selected=2, kernel="triton")
+
+
+@pytest.mark.triton
+def test_triton_kernels_decode_as_the_parallel_forward_and_see_no_future():
+    """On the fused kernels, cached decoding (one token and several at a time) equals the parallel
+    pass, and changing the tokens after t leaves the logits up to t as they were."""
+    torch.manual_seed(0)
+    model = nsa_lm(num_tokens=64, dim=32, depth=2, heads=4, dim_head=16, **KNOBS, kernel="triton").eval()
+    x = torch.randint(0, 64, (1, 40))
+    full = model(x)
+    cache = model.new_cache()
+    pieces = [model(x[:, :9], cache=cache), model(x[:, 9:10], cache=cache), model(x[:, 10:], cache=cache)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+    for t in (3, 17):
+        changed = x.clone()
+        changed[:, t + 1 :] = (changed[:, t + 1 :] + 1) % 64
+        assert torch.equal(model(changed)[:, : t + 1], full[:, : t + 1])
