@@ -150,26 +150,31 @@ class BlockCompressor(nn.Module):
     def forward(self, x: Tensor, first: int = 0) -> Tensor:
         """x [batch, kv_heads, seq, dim_head] -> [batch, kv_heads, blocks, dim_head] for the
         complete blocks from block index `first` on."""
+        return self.compress(x, self.pos, self.w1, self.b1, self.w2, first)
+
+    def compress(self, x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, first: int = 0) -> Tensor:
+        """forward with the weights given (heads along their first dimension, as x's second), so that
+        two compressors' weights side by side run as one."""
         x = x[:, :, first * self.stride :]
         nc = self.num_blocks(x.shape[2])
         if nc == 0:
             return x.new_zeros(*x.shape[:2], 0, x.shape[3])
         # the intra-block positions enter the first layer linearly: as a bias of their own
-        bias = self.b1 + torch.einsum("hx,hxy->hy", self.pos.flatten(1), self.w1)[:, None]  # [h, 1, hidden]
-        hidden = F.gelu(self._first_layer(x, nc) + bias)
-        return torch.einsum("bhcy,hyd->bhcd", hidden, self.w2)
+        bias = b1 + torch.einsum("hx,hxy->hy", pos.flatten(1), w1)[:, None]  # [h, 1, hidden]
+        hidden = F.gelu(self._first_layer(x, w1, nc) + bias)
+        return torch.einsum("bhcy,hyd->bhcd", hidden, w2)
 
-    def _first_layer(self, x: Tensor, nc: int) -> Tensor:
+    def _first_layer(self, x: Tensor, w1: Tensor, nc: int) -> Tensor:
         """The first layer's product over each block's tokens, x [b, h, seq, d] -> [b, h, nc, hidden].
         Where the block is r strides long, block c is strides c .. c + r - 1: one product of the
         non-overlapping strides with the r slices of w1 gives every term, with no overlapping copy
         of the keys (an unfold copies each token r times, and its backward adds the copies back)."""
         l, s = self.block, self.stride
         if l % s:
-            return torch.einsum("bhcx,hxy->bhcy", x.unfold(2, l, s).transpose(-1, -2).flatten(-2), self.w1)
-        r, h, d = l // s, self.w1.shape[0], x.shape[-1]
+            return torch.einsum("bhcx,hxy->bhcy", x.unfold(2, l, s).transpose(-1, -2).flatten(-2), w1)
+        r, h, d = l // s, w1.shape[0], x.shape[-1]
         strides = x[:, :, : (nc + r - 1) * s].reshape(*x.shape[:2], nc + r - 1, s * d)  # [b, h, nc + r - 1, s * d]
-        w = self.w1.view(h, r, s * d, -1).transpose(1, 2).flatten(2)  # [h, s * d, r * hidden]
+        w = w1.view(h, r, s * d, -1).transpose(1, 2).flatten(2)  # [h, s * d, r * hidden]
         terms = torch.einsum("bhcx,hxy->bhcy", strides, w).unflatten(-1, (r, -1))  # [b, h, nc + r - 1, r, hidden]
         return sum(terms[:, :, i : i + nc, i] for i in range(r))
 
@@ -331,7 +336,12 @@ class NativeSparseAttention(nn.Module):
         return out_slc.add_(out_win)  # in place: no backward reads out_slc
 
     def _compress(self, k_cmp: Tensor, v_cmp: Tensor) -> tuple[Tensor, Tensor]:
-        return self.compress_k(k_cmp), self.compress_v(v_cmp)
+        """Both compressors in one pass, their weights side by side: keys and values [b, h, n, d] ->
+        kc, vc [b, h, blocks, d] (half the launches of two passes)."""
+        both = torch.stack((k_cmp, v_cmp), 1).flatten(1, 2)  # [b, 2 * h, n, d]
+        weights = (torch.cat(pair) for pair in zip(*((c.pos, c.w1, c.b1, c.w2) for c in (self.compress_k,
+                                                                                          self.compress_v))))
+        return self.compress_k.compress(both, *weights).chunk(2, dim=1)
 
     def _compressed_part(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, gate: Tensor) -> Tensor:
         kc, vc = self._compress(k_cmp, v_cmp)
