@@ -13,51 +13,57 @@ from kernels.nsa_attention import triton as kernels
 @torch.library.custom_op("sparse_attention::nsa_forward", mutates_args=())
 def nsa_forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
                 gates: Tensor, phases: Tensor, start: int, block: int, stride: int, fine: int, forced: int, free: int,
-                window: int, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> out, blocks, saved, lse (kernels/nsa_attention/triton.py forward)."""
+                window: int, save: bool, fsa: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> out, blocks, saved, lse, order, first (kernels/nsa_attention/triton.py forward)."""
     knobs = kernels.Knobs(block, stride, fine, forced, free, window)
-    return kernels.forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs, save)
+    return kernels.forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs, save, fsa)
 
 
 @nsa_forward.register_fake
-def _(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, block, stride, fine, forced, free, window, save):
+def _(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, block, stride, fine, forced, free, window, save,
+      fsa):
     b, n, heads, dim = q.shape
     kv_heads = kc.shape[1]
+    indexed = n and free and (save or fsa)  # the chosen blocks' reverse index
+    num_fine = -(-k_slc.shape[1] // fine)
     return (q.new_empty(b, n, heads, dim), q.new_empty(b, kv_heads, n, free, dtype=torch.int32),
-            q.new_empty(3 if save else 1, b, n, heads, dim), q.new_empty(3, b, kv_heads, n, heads // kv_heads,
-                                                                           dtype=torch.float32))
+            q.new_empty(3 if save else 1, b, n, heads, dim),
+            q.new_empty(3, b, kv_heads, n, heads // kv_heads, dtype=torch.float32),
+            q.new_empty((b * kv_heads, n * free) if indexed else (0,), dtype=torch.int64),
+            q.new_empty((b * kv_heads, num_fine + 1) if indexed else (0,), dtype=torch.int64))
 
 
 @torch.library.custom_op("sparse_attention::nsa_backward", mutates_args=())
 def nsa_backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
-                 v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor, block: int,
-                 stride: int, fine: int, forced: int, free: int, window: int) -> list[Tensor]:
+                 v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor,
+                 order: Tensor, first: Tensor, block: int, stride: int, fine: int, forced: int, free: int, window: int,
+                 fsa: bool) -> list[Tensor]:
     """-> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates (kernels/nsa_attention/triton.py backward)."""
     knobs = kernels.Knobs(block, stride, fine, forced, free, window)
     return list(kernels.backward(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks,
-                                 knobs))
+                                 order, first, knobs, fsa))
 
 
 @nsa_backward.register_fake
-def _(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, block, stride, fine, forced,
-      free, window):
+def _(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, first, block, stride,
+      fine, forced, free, window, fsa):
     return [torch.empty_like(t) for t in (q, kc, vc, k_slc, v_slc, k_win, v_win, gates)]
 
 
 def _setup_context(ctx, inputs, output):
-    q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, *knobs, save = inputs
-    _, blocks, saved, lse = output
-    ctx.save_for_backward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks)
-    ctx.knobs, ctx.backward_possible = knobs, save and not start
-    ctx.mark_non_differentiable(blocks, saved, lse)
+    q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, *knobs, save, fsa = inputs
+    _, blocks, saved, lse, order, first = output
+    ctx.save_for_backward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, first)
+    ctx.knobs, ctx.fsa, ctx.backward_possible = knobs, fsa, save and not start
+    ctx.mark_non_differentiable(blocks, saved, lse, order, first)
 
 
-def _backward(ctx, dout, _blocks, _saved, _lse):
+def _backward(ctx, dout, *_):
     if not ctx.backward_possible:
         raise RuntimeError("the NSA kernels' backward needs a forward from position 0 with gradients enabled "
                            "(a training step), not decoding after a cache")
-    grads = nsa_backward(dout, *ctx.saved_tensors, *ctx.knobs)
-    return (*grads[:8], None, None, None, None, None, None, None, None, None)
+    grads = nsa_backward(dout, *ctx.saved_tensors, *ctx.knobs, ctx.fsa)
+    return (*grads[:8], *[None] * 10)
 
 
 nsa_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -69,6 +75,7 @@ def nsa_attention(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tenso
     tensor but phases) and the chosen fine blocks [b, kv_heads, n, free] (int32, num_fine where unused)."""
     save = start == 0 and torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, kc, vc, k_slc, v_slc, k_win, v_win, gates))
-    out, blocks, _, _ = nsa_forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs.block,
-                                    knobs.stride, knobs.fine, knobs.forced, knobs.free, knobs.window, save)
+    fsa = kernels.flash_sparse_order(q.shape[2] // kc.shape[1], knobs.free)
+    out, blocks, *_ = nsa_forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs.block,
+                                  knobs.stride, knobs.fine, knobs.forced, knobs.free, knobs.window, save, fsa)
     return out, blocks

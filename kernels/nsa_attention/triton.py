@@ -23,11 +23,11 @@ from torch import Tensor
 
 from kernels import counters
 from kernels.nsa_attention.triton_kernels import (COMPRESSED, FORCED, WINDOW, backward_dkv_kernel, backward_dq_kernel,
-                                                  forward_kernel)
+                                                  forward_kernel, pairs_kernel)
 from kernels.triton_tiles import tiles_usable
 
 BM = 64  # query rows a program: Hopper's tensor cores want 64 or more
-COMPRESSED_TILE, WINDOW_TILE, IMPORTANCE_TILE = 32, 64, 64
+COMPRESSED_TILE, WINDOW_TILE, IMPORTANCE_TILE = 32, 64, 32
 READERS_PER_CHUNK = 4096  # queries one dk/dv program takes of the long runs of readers (compressed keys, block 0)
 NAMES = {COMPRESSED: "compressed", FORCED: "selected", WINDOW: "window"}
 
@@ -105,50 +105,90 @@ class _Count:
             counters.record(counters.Launch(name, tuple(grid), rows, keys, int(self.tensor), needed))
 
 
+def flash_sparse_order(group: int, free: int) -> bool:
+    """Whether the chosen blocks take Flash Sparse Attention's order (a program per block over the
+    queries that chose it) rather than the paper's (a program per query over its blocks): for a
+    group under 16, whose rows would fill a tensor-core tile only a group at a time. Its pairs add
+    to each row's output and dq atomically, so deterministic runs keep the paper's order."""
+    return free > 0 and group < 16 and not torch.are_deterministic_algorithms_enabled()
+
+
 def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
-            gates: Tensor, phases: Tensor, start: int, knobs: Knobs, save: bool
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            gates: Tensor, phases: Tensor, start: int, knobs: Knobs, save: bool, fsa: bool
+            ) -> tuple[Tensor, ...]:
     """The gated sum of the three branches -> out [b, n, heads, d], the chosen fine blocks
     [b, kv_heads, n, free] (int32, num_fine where unused), and for the backward the branches'
-    outputs before their gates [3, b, n, heads, d] (only the selected branch's scratch unless
-    `save`) and their log-sum-exps [3, b, kv_heads, n, group]."""
+    outputs before their gates [3, b, n, heads, d] (one scratch unless `save`), their log-sum-exps
+    [3, b, kv_heads, n, group] and the chosen blocks' reverse index (order, first: _reverse_index;
+    empty unless `save` or `fsa`, Flash Sparse Attention's order for the chosen blocks)."""
     b, n, heads, dim = q.shape
     kv_heads, num_blocks = kc.shape[1], kc.shape[2]
     group, num_keys = heads // kv_heads, k_slc.shape[1]
     num_fine = triton.cdiv(num_keys, knobs.fine)
+    fsa = fsa and knobs.free > 0
     out = torch.empty(b, n, heads, dim, device=q.device, dtype=q.dtype)
     saved = torch.empty(3 if save else 1, b, n, heads, dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(3, b, kv_heads, n, group, device=q.device, dtype=torch.float32)
     blocks = torch.empty(b, kv_heads, n, knobs.free, device=q.device, dtype=torch.int32)
+    order = first = torch.empty(0, device=q.device, dtype=torch.int64)
     if n == 0:
-        return out, blocks, saved, lse
+        return out, blocks, saved, lse, order, first
     grid = (triton.cdiv(n, BM // group), b * kv_heads)
     selection = _selection_meta(q, kv_heads, knobs)
-    branches = ((COMPRESSED, kc, vc, num_blocks), (FORCED, k_slc, v_slc, num_keys),
-                (WINDOW, k_win, v_win, num_keys))
-    for i, (mask, k, v, keys) in enumerate(branches):  # i: the branch's place in gates, saved and lse
+    # with Flash Sparse Attention's order the selected branch's output adds up in fp32, and the
+    # chosen blocks' log-sum-exps wait in `stats` for the tile kernel
+    acc = torch.empty(b, n, heads, dim, device=q.device, dtype=torch.float32) if fsa else out
+    stats = torch.empty(b * kv_heads, n, knobs.free, group, device=q.device, dtype=torch.float32) if fsa else lse
+    rows = _strides(out)
+    for mask, k, v, keys in ((COMPRESSED, kc, vc, num_blocks), (FORCED, k_slc, v_slc, num_keys),
+                             (WINDOW, k_win, v_win, num_keys)):  # mask: the branch's place in gates, saved and lse
+        if mask == FORCED and (fsa or save) and knobs.free:
+            order, first = _reverse_index(blocks, num_fine)
+            if fsa:
+                _pairs(0, q, k, v, lse[FORCED], stats, acc, phases, blocks, first, order, start, num_fine, knobs)
         count = _Count(q.device)
         meta = _meta(mask, q, kv_heads, knobs)
-        forward_kernel[grid](q, k, v, gates[:, :, i], out, saved[i if save else 0], lse[i], phases, blocks,
-                             count.tensor, *_strides(q), *_key_strides(mask, k), *_strides(gates[:, :, i]), start, n,
-                             keys, num_fine, ACCUMULATE=i > 0,
-                             SAVE=save or mask == FORCED, COUNT=count.on, **selection, **meta)
-        count.record(f"{NAMES[mask]}_forward", grid, BM, meta["BN"],
-                     group * needed_pairs(mask, start, n, keys, knobs, blocks, pass_count=2 if mask == COMPRESSED
-                                          and knobs.free else 1) if count.on else 0)
-    return out, blocks, saved, lse
+        forward_kernel[grid](q, k, v, gates[:, :, mask], out, saved[mask if save else 0], lse[mask], phases, blocks,
+                             stats, acc, gates[:, :, FORCED], saved[FORCED if save else 0], count.tensor,
+                             *_strides(q), *_key_strides(mask, k), *_strides(gates[:, :, mask]), *rows, start, n,
+                             keys, num_fine, ACCUMULATE=mask > 0, SAVE=save or mask == FORCED, COUNT=count.on,
+                             FSA=fsa, FREE_P=max(2, triton.next_power_of_2(knobs.free)), **selection, **meta)
+        count.record(f"{NAMES[mask]}_forward", grid, BM, meta["BN"], group * needed_pairs(
+            mask, start, n, keys, knobs, blocks, pass_count=2 if mask == COMPRESSED and knobs.free else 1,
+            chosen=not fsa) if count.on else 0)
+        if mask == FORCED and fsa:
+            _pairs(1, q, k, v, lse[FORCED], stats, acc, phases, blocks, first, order, start, num_fine, knobs)
+    return out, blocks, saved, lse, order, first
+
+
+def _pairs(which: int, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tensor, acc: Tensor, phases: Tensor,
+           blocks: Tensor, first: Tensor, order: Tensor, start: int, num_fine: int, knobs: Knobs) -> None:
+    """The pairs kernel's pass `which` (0: each pair's log-sum-exp; 1: its share of the output)."""
+    b, n, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    meta = _meta(FORCED, q, kv_heads, knobs)
+    grid = (num_fine, b * kv_heads)
+    count = _Count(q.device)
+    pairs_kernel[grid](q, k, v, lse, stats, acc, phases, first, order, count.tensor, *_strides(q), *_strides(k),
+                       *_strides(acc), start, n, k.shape[1], num_fine, KVH=kv_heads, G=meta["G"], D=dim, BM=BM,
+                       KB=meta["BN"], FINE=knobs.fine, FREE=knobs.free, SCALE=meta["SCALE"], USE_DOT=meta["USE_DOT"],
+                       COUNT=count.on, PASS=which, num_warps=meta["num_warps"])
+    count.record(f"selected_pairs_{('lse', 'output')[which]}", grid, BM, meta["BN"],
+                 meta["G"] * chosen_pairs(start, knobs, blocks) if count.on else 0)
 
 
 def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
-             v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor, knobs: Knobs
-             ) -> tuple[Tensor, ...]:
+             v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor, order: Tensor,
+             first: Tensor, knobs: Knobs, fsa: bool) -> tuple[Tensor, ...]:
     """Gradients of forward's out (from position 0) -> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates."""
     b, n, heads, dim = q.shape
     kv_heads, num_blocks = kc.shape[1], kc.shape[2]
     group, num_keys = heads // kv_heads, k_slc.shape[1]
     num_fine = triton.cdiv(num_keys, knobs.fine)
+    fsa = fsa and knobs.free > 0
     dout = dout.contiguous()
     dq = torch.empty_like(dout)
+    dq_acc = torch.empty(dout.shape, device=q.device, dtype=torch.float32) if fsa else dq
     dgates = torch.empty_like(gates)
     delta = torch.empty_like(lse)
     dkc, dvc = torch.empty_like(kc), torch.empty_like(vc)
@@ -156,28 +196,30 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
                                       for t in (k_slc, v_slc, k_win, v_win))
     selection = _selection_meta(q, kv_heads, knobs)
     grid = (triton.cdiv(n, BM // group), b * kv_heads)
-    branches = {COMPRESSED: (kc, vc, num_blocks), FORCED: (k_slc, v_slc, num_keys), WINDOW: (k_win, v_win, num_keys)}
-    order, first = _reverse_index(blocks, num_fine) if knobs.free else (blocks, blocks)
-    # dq: the selected branch first (its chosen blocks use DQ as a scratch), the others add to it
-    for mask in (FORCED, COMPRESSED, WINDOW):
-        k, v, keys = branches[mask]
+    branches = {COMPRESSED: (kc, vc, num_blocks, dkc, dvc), FORCED: (k_slc, v_slc, num_keys, dk_slc, dv_slc),
+                WINDOW: (k_win, v_win, num_keys, dk_win, dv_win)}
+    # the paper's order: the selected branch's dq first (its chosen blocks use DQ as a scratch), the
+    # others add to it; Flash Sparse Attention's: the compressed branch's first, the selected
+    # branch's adds up in dq_acc (its pairs with its dk and dv) and the window's finishes it
+    steps = ((COMPRESSED, "dq"), (FORCED, "dq"), (FORCED, "dkv"), (WINDOW, "dq"), (COMPRESSED, "dkv"),
+             (WINDOW, "dkv")) if fsa else ((FORCED, "dq"), (COMPRESSED, "dq"), (WINDOW, "dq"), (COMPRESSED, "dkv"),
+                                           (FORCED, "dkv"), (WINDOW, "dkv"))
+    for mask, step in steps:
+        k, v, keys, dk, dv = branches[mask]
         meta = _meta(mask, q, kv_heads, knobs)
         count = _Count(q.device)
-        backward_dq_kernel[grid](q, k, v, gates[:, :, mask], dout, saved[mask],
-                                 lse[mask], delta[mask], dgates[:, :, mask], dq, phases,
-                                 blocks, count.tensor, *_strides(q), *_key_strides(mask, k),
-                                 *_strides(gates[:, :, mask]), *_strides(dout), 0, n, keys,
-                                 ACCUMULATE=mask != FORCED, COUNT=count.on, GP=selection["GP"], KB=selection["KB"],
-                                 **meta)
-        count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"],
-                     group * needed_pairs(mask, 0, n, keys, knobs, blocks) if count.on else 0)
-    # dk, dv: compressed (readers in chunks), selected (block 0's initial readers in chunks), window
-    for mask, dk, dv in ((COMPRESSED, dkc, dvc), (FORCED, dk_slc, dv_slc), (WINDOW, dk_win, dv_win)):
-        k, v, keys = branches[mask]
-        meta = _meta(mask, q, kv_heads, knobs)
+        if step == "dq":
+            backward_dq_kernel[grid](q, k, v, gates[:, :, mask], dout, saved[mask], lse[mask], delta[mask],
+                                     dgates[:, :, mask], dq, dq_acc, phases, blocks, count.tensor, *_strides(q),
+                                     *_key_strides(mask, k), *_strides(gates[:, :, mask]), *_strides(dout), 0, n, keys,
+                                     ACCUMULATE=mask != steps[0][0], COUNT=count.on, GP=selection["GP"],
+                                     KB=selection["KB"], FSA=fsa, **meta)
+            count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"],
+                         group * needed_pairs(mask, 0, n, keys, knobs, blocks, chosen=not fsa) if count.on else 0)
+            continue
         if mask == COMPRESSED:
-            tiles, chunks = triton.cdiv(keys, meta["BN"]), _chunks(n, b * kv_heads * keys * dim * 8, q)
-            grid_kv, rows = (tiles, chunks, b * kv_heads), keys
+            chunks = _chunks(n, b * kv_heads * keys * dim * 8, q)
+            grid_kv, rows = (triton.cdiv(keys, meta["BN"]), chunks, b * kv_heads), keys
         elif mask == FORCED:
             chunks = triton.cdiv(max(0, n - knobs.fine), READERS_PER_CHUNK) if knobs.forced >= 2 else 0
             grid_kv, rows = (num_fine + chunks, 1, b * kv_heads), min(knobs.fine, keys)
@@ -187,13 +229,13 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
         used = chunked or (mask == FORCED and chunks)  # else a placeholder
         partial = torch.empty(2, chunks if used else 1, b * kv_heads, rows if used else 1, dim, device=q.device,
                               dtype=torch.float32)
-        count = _Count(q.device)
         backward_dkv_kernel[grid_kv](q, k, v, gates[:, :, mask], dout, lse[mask], delta[mask], dk, dv, partial[0],
-                                     partial[1], phases, first, order, count.tensor, *_strides(q),
+                                     partial[1], dq_acc, phases, first if knobs.free else blocks,
+                                     order if knobs.free else blocks, count.tensor, *_strides(q),
                                      *_key_strides(mask, k), *_strides(gates[:, :, mask]), *_strides(dout),
                                      *_key_strides(mask, dk), 0, n, keys, num_fine,
                                      READERS_PER_CHUNK if mask == FORCED else triton.cdiv(n, max(chunks, 1)), rows,
-                                     CHUNKED=chunked, COUNT=count.on, **meta)
+                                     CHUNKED=chunked, COUNT=count.on, FSA=fsa, **meta)
         count.record(f"{NAMES[mask]}_backward_dkv", grid_kv, BM, meta["BN"],
                      group * needed_pairs(mask, 0, n, keys, knobs, blocks) if count.on else 0)
         if chunked:
@@ -228,9 +270,11 @@ def _reverse_index(blocks: Tensor, num_fine: int) -> tuple[Tensor, Tensor]:
     return order, first
 
 
-def needed_pairs(mask: int, start: int, n: int, keys: int, knobs: Knobs, blocks: Tensor, pass_count: int = 1) -> int:
+def needed_pairs(mask: int, start: int, n: int, keys: int, knobs: Knobs, blocks: Tensor, pass_count: int = 1,
+                 chosen: bool = True) -> int:
     """(query, key) pairs a branch's mask lets through for one head, summed over batch * kv heads
-    and queries start..start + n - 1 (counted only while recording launches: it reads the blocks)."""
+    and queries start..start + n - 1, the chosen blocks' pairs included where `chosen` (counted only
+    while recording launches: it reads the blocks)."""
     t = torch.arange(start, start + n)
     bh = blocks.shape[0] * blocks.shape[1]
     if mask == COMPRESSED:
@@ -243,6 +287,10 @@ def needed_pairs(mask: int, start: int, n: int, keys: int, knobs: Knobs, blocks:
     initial = torch.where(own > 0, torch.full_like(t, knobs.fine), 0) if knobs.forced >= 2 else 0
     previous = torch.where(own > 1, torch.full_like(t, knobs.fine), 0) if knobs.forced >= 3 else 0
     forced = bh * int((own_keys + initial + previous).sum())
-    chosen = blocks.cpu().long()
-    reach = (t[None, None, :, None] - chosen * knobs.fine + 1).clamp(0, knobs.fine)
-    return forced + int(reach.sum())
+    return forced + (chosen_pairs(start, knobs, blocks) if chosen else 0)
+
+
+def chosen_pairs(start: int, knobs: Knobs, blocks: Tensor) -> int:
+    """(query, key) pairs in the chosen blocks [b, kv_heads, n, free], keys at or before the query."""
+    t = torch.arange(start, start + blocks.shape[2])
+    return int((t[None, None, :, None] - blocks.cpu().long() * knobs.fine + 1).clamp(0, knobs.fine).sum())

@@ -248,12 +248,13 @@ def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kb
 
 @triton.jit
 def _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh, skt,
-                 kbase, sgb, sgt, sgh, start, seq_q, num_keys,
+                 kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys,
                  G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, GP: tl.constexpr, KB: tl.constexpr,
                  FINE: tl.constexpr, FREE: tl.constexpr, SCALE: tl.constexpr, USE_DOT: tl.constexpr,
                  ACCUMULATE: tl.constexpr, COUNT: tl.constexpr):
-    """Each position of the tile over its freely chosen blocks, continuing the online softmax the
-    tile left in SAVED and LSE for its rows; then its gated output."""
+    """The paper's order: each position of the tile, its group's heads together, over its freely
+    chosen blocks, continuing the online softmax the tile left in SAVED and LSE for its rows; then
+    its gated output."""
     P: tl.constexpr = BM // G
     d = tl.arange(0, D)
     g = tl.arange(0, GP)
@@ -263,11 +264,11 @@ def _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_
         i = pid_m * P + p
         if i < seq_q:
             t = start + i
-            at = b * sqb + i * sqt + (h * G + g)[:, None] * sqh + d[None, :]
             ok = g_ok[:, None]
+            at = b * sob + i * sot + (h * G + g)[:, None] * soh + d[None, :]
             pos = t + g * 0
-            q = _rotate(tl.load(Q + at, mask=ok, other=0.0).to(tl.float32), PH, pos, g_ok, GP, D, False)
-            q = q.to(K.dtype.element_ty)
+            q = tl.load(Q + b * sqb + i * sqt + (h * G + g)[:, None] * sqh + d[None, :], mask=ok, other=0.0)
+            q = _rotate(q.to(tl.float32), PH, pos, g_ok, GP, D, False).to(K.dtype.element_ty)
             lse_at = (pid_bh * seq_q + i) * G + g
             lse = tl.load(LSE + lse_at, mask=g_ok, other=float("-inf"))
             has = lse > float("-inf")
@@ -292,23 +293,43 @@ def _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_
 
 
 @triton.jit
-def forward_kernel(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER,
-                   sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, start, seq_q, num_keys, num_fine,
+def _merge_chosen(m, l, acc, i, g, row_ok, pid_bh, seq_q, num_fine, BLOCKS, STATS, G: tl.constexpr,
+                  FREE: tl.constexpr, FREE_P: tl.constexpr):
+    """Flash Sparse Attention's order, the tile's part: its forced blocks' softmax state (m, l, acc;
+    log2 units) and the log-sum-exps its rows had over each chosen block (STATS, from the pairs
+    kernel) -> the rows' log-sum-exp over all their blocks (log2 units) and the forced blocks'
+    share of the output, so that the chosen blocks' shares can be added to it."""
+    slot = tl.arange(0, FREE_P)[None, :]
+    pair = (pid_bh * seq_q + i)[:, None] * FREE + slot
+    used = row_ok[:, None] & (slot < FREE)
+    used = used & (tl.load(BLOCKS + pair, mask=used, other=num_fine) < num_fine)
+    chosen = tl.load(STATS + pair * G + g[:, None], mask=used, other=float("-inf"))  # [BM, FREE_P]
+    top = tl.maximum(m, tl.max(chosen, 1))  # the own block is always there: m is finite
+    total = l * tl.exp2(m - top) + tl.sum(tl.exp2(chosen - top[:, None]), 1)
+    return top + tl.log2(total), acc * (tl.exp2(m - top) / total)[:, None]
+
+
+@triton.jit
+def forward_kernel(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, STATS, ACC, GATE_S, SAVED_S, COUNTER,
+                   sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, num_fine,
                    KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    MASK: tl.constexpr, L: tl.constexpr, S: tl.constexpr, FINE: tl.constexpr,
                    FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, W: tl.constexpr, SCALE: tl.constexpr,
                    ROTARY: tl.constexpr, ACCUMULATE: tl.constexpr, SAVE: tl.constexpr, USE_DOT: tl.constexpr,
                    COUNT: tl.constexpr, GP: tl.constexpr, KB: tl.constexpr, KP: tl.constexpr, BF: tl.constexpr,
-                   BFE: tl.constexpr, BC: tl.constexpr, DOT_IMPORTANCE: tl.constexpr):
-    """One branch's attention for a tile of BM rows, gated into OUT (K and V share their strides)."""
+                   BFE: tl.constexpr, BC: tl.constexpr, DOT_IMPORTANCE: tl.constexpr, FSA: tl.constexpr,
+                   FREE_P: tl.constexpr):
+    """One branch's attention for a tile of BM rows, gated into OUT (K and V share their strides;
+    OUT, SAVED, ACC, SAVED_S share (sob, sot, soh)). With FSA (a group under 16): the selected
+    branch leaves its forced blocks' share in ACC (fp32) for the pairs kernel to add the chosen
+    blocks' to, and the window kernel finishes it (its gate GATE_S, its output SAVED_S)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // KVH, pid_bh % KVH
     i, g, row_ok = _rows(pid_m, seq_q, G, BM)
     t = start + i
     d = tl.arange(0, D)
-    at = b * sqb + i[:, None] * sqt + (h * G + g)[:, None] * sqh + d[None, :]
     ok = row_ok[:, None]
-    q = tl.load(Q + at, mask=ok, other=0.0)
+    q = tl.load(Q + b * sqb + i[:, None] * sqt + (h * G + g)[:, None] * sqh + d[None, :], mask=ok, other=0.0)
     if ROTARY:
         q = _rotate(q.to(tl.float32), PH, t, row_ok, BM, D, False).to(K.dtype.element_ty)
     m = tl.full([BM], float("-inf"), tl.float32)
@@ -323,24 +344,89 @@ def forward_kernel(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER,
                              S, FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT)
     m, l, acc = _forward_run(q, t, m, l, acc, K, V, kbase, skt, PH, lo1, hi1, num_keys, COUNTER, MASK, L,
                              S, FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT)
-    o, lse = _finish(m, l, acc)
+    at = b * sob + i[:, None] * sot + (h * G + g)[:, None] * soh + d[None, :]
     lse_at = (pid_bh * seq_q + pid_m * (BM // G)) * G + tl.arange(0, BM)
-    if MASK == 1 and FREE > 0:  # the tile's state to memory, then position by position
+    gate_at = b * sgb + i * sgt + (h * G + g) * sgh
+    if MASK == 1 and FREE > 0 and FSA:
+        lse2, share = _merge_chosen(m, l, acc, i, g, row_ok, pid_bh, seq_q, num_fine, BLOCKS, STATS, G, FREE, FREE_P)
+        tl.store(ACC + at, share, mask=ok)
+        tl.store(LSE + lse_at, lse2 * LN2, mask=row_ok)
+    elif MASK == 1 and FREE > 0:  # the paper's order: the tile's state to memory, then position by position
+        o, lse = _finish(m, l, acc)
         tl.store(SAVED + at, o.to(SAVED.dtype.element_ty), mask=ok)
         tl.store(LSE + lse_at, lse, mask=row_ok)
         tl.debug_barrier()
-        _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt,
-                     sqh, skt, kbase, sgb, sgt, sgh, start, seq_q, num_keys, G, D, BM, GP, KB, FINE, FREE,
-                     SCALE, USE_DOT, ACCUMULATE, COUNT)
+        _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh, skt,
+                     kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G, D, BM, GP, KB, FINE, FREE, SCALE,
+                     USE_DOT, ACCUMULATE, COUNT)
     else:
+        o, lse = _finish(m, l, acc)
         if SAVE:
             tl.store(SAVED + at, o.to(SAVED.dtype.element_ty), mask=ok)
         tl.store(LSE + lse_at, lse, mask=row_ok)
-        sigma = _sigmoid(GATE, b * sgb + i * sgt + (h * G + g) * sgh, row_ok)
-        _gated_store(OUT, at, o, sigma, ok, ACCUMULATE)
+        o = o * _sigmoid(GATE, gate_at, row_ok)[:, None]
+        if MASK == 2 and FSA:  # the selected branch, complete in ACC
+            o_s = tl.load(ACC + at, mask=ok, other=0.0)
+            if SAVE:
+                tl.store(SAVED_S + at, o_s.to(SAVED_S.dtype.element_ty), mask=ok)
+            o += o_s * _sigmoid(GATE_S, gate_at, row_ok)[:, None]
+        _gated_store(OUT, at, o, tl.full([BM], 1.0, tl.float32), ok, ACCUMULATE)
     if MASK == 0 and FREE > 0:
-        _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_keys, num_fine, K, kbase, skt, BLOCKS, COUNTER, G, D, BM, L, S,
-                FINE, FORCED_BLOCKS, FREE, KP, BF, BFE, BC, SCALE, USE_DOT, DOT_IMPORTANCE, COUNT)
+        _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_keys, num_fine, K, kbase, skt, BLOCKS, COUNTER, G, D, BM,
+                L, S, FINE, FORCED_BLOCKS, FREE, KP, BF, BFE, BC, SCALE, USE_DOT, DOT_IMPORTANCE, COUNT)
+
+
+@triton.jit
+def _pair_rows(ORDER, pair, ok, pid_bh, seq_q, FREE: tl.constexpr):
+    """The (query, slot) of pairs [rows] from the reverse index."""
+    flat = tl.load(ORDER + pid_bh * seq_q * FREE + pair, mask=ok, other=0)
+    return (flat // FREE).to(tl.int32), (flat % FREE).to(tl.int32)
+
+
+@triton.jit
+def pairs_kernel(Q, K, V, LSE, STATS, ACC, PH, FIRST, ORDER, COUNTER, sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
+                 start, seq_q, num_keys, num_fine, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                 BM: tl.constexpr, KB: tl.constexpr, FINE: tl.constexpr, FREE: tl.constexpr, SCALE: tl.constexpr,
+                 USE_DOT: tl.constexpr, COUNT: tl.constexpr, PASS: tl.constexpr):
+    """Flash Sparse Attention's order for a group under 16: one program per fine block gathers the
+    (query, slot) pairs that chose it, BM // G pairs x G heads a tile, against the block loaded
+    once. PASS 0 writes each pair's log-sum-exp over the block (STATS, log2 units); PASS 1, once
+    LSE holds every row's log-sum-exp over all its blocks, adds the block's share of each row's
+    output to ACC (fp32, atomically: a row's chosen blocks are different programs)."""
+    pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // KVH, pid_bh % KVH
+    r = tl.arange(0, BM)
+    g = r % G
+    d = tl.arange(0, D)
+    j = tl.arange(0, KB)
+    cols = pid_n * FINE + j
+    col_ok = (j < FINE) & (cols < num_keys)
+    k, v = _keys(K, V, b * skb + h * skh, skt, cols, col_ok, PH, d, KB, D, True)
+    first = tl.load(FIRST + pid_bh * (num_fine + 1) + pid_n)
+    end = tl.load(FIRST + pid_bh * (num_fine + 1) + pid_n + 1)
+    for p0 in range(first, end, BM // G):
+        pair = p0 + r // G
+        ok = pair < end
+        i, slot = _pair_rows(ORDER, pair, ok, pid_bh, seq_q, FREE)
+        t = start + i
+        q = tl.load(Q + b * sqb + i[:, None] * sqt + (h * G + g)[:, None] * sqh + d[None, :], mask=ok[:, None],
+                    other=0.0)
+        q = _rotate(q.to(tl.float32), PH, t, ok, BM, D, False).to(K.dtype.element_ty)
+        visible = ok[:, None] & col_ok[None, :] & (cols[None, :] <= t[:, None])
+        s = tl.where(visible, qk(q, k, USE_DOT) * (SCALE * LOG2E), float("-inf"))
+        if PASS == 0:
+            top = tl.max(s, 1)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.sum(tl.exp2(s - top[:, None]), 1)
+            lse2 = tl.where(total > 0, top + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+            tl.store(STATS + ((pid_bh * seq_q + i) * FREE + slot) * G + g, lse2, mask=ok)
+        else:
+            lse2 = tl.load(LSE + (pid_bh * seq_q + i) * G + g, mask=ok, other=0.0) * LOG2E
+            p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+            at = b * sob + i[:, None] * sot + (h * G + g)[:, None] * soh + d[None, :]
+            tl.atomic_add(ACC + at, pv(p, v, USE_DOT), mask=ok[:, None])
+        if COUNT:
+            tl.atomic_add(COUNTER, BM * KB)
 
 
 # ---- backward ---------------------------------------------------------------------------------------
@@ -429,15 +515,18 @@ def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b,
 
 
 @triton.jit
-def backward_dq_kernel(Q, K, V, GATE, DOUT, SAVED, LSE, DELTA, DGATE, DQ, PH, BLOCKS, COUNTER,
+def backward_dq_kernel(Q, K, V, GATE, DOUT, SAVED, LSE, DELTA, DGATE, DQ, DQ_ACC, PH, BLOCKS, COUNTER,
                        sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys,
                        KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        MASK: tl.constexpr, L: tl.constexpr, S: tl.constexpr, FINE: tl.constexpr,
                        FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, W: tl.constexpr, SCALE: tl.constexpr,
                        ROTARY: tl.constexpr, ACCUMULATE: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr,
-                       GP: tl.constexpr, KB: tl.constexpr):
+                       GP: tl.constexpr, KB: tl.constexpr, FSA: tl.constexpr):
     """One branch's dq for a tile of rows (added to DQ when ACCUMULATE), its gate's gradient and
-    its delta = gate * rowsum(dout * O). DOUT, SAVED and DQ share the strides (sob, sot, soh)."""
+    its delta = gate * rowsum(dout * O). DOUT, SAVED, DQ and DQ_ACC share the strides (sob, sot,
+    soh). With FSA (a group under 16) the selected branch leaves its forced blocks' dq in DQ_ACC
+    (fp32, rotated, unscaled) for the pairs' dk/dv kernel to add the chosen blocks' to, and the
+    window kernel, in the same frame, finishes it."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // KVH, pid_bh % KVH
     i, g, row_ok = _rows(pid_m, seq_q, G, BM)
@@ -461,13 +550,17 @@ def backward_dq_kernel(Q, K, V, GATE, DOUT, SAVED, LSE, DELTA, DGATE, DQ, PH, BL
                  FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT)
     dq = _dq_run(q, do, t, row_ok, lse2, delta, dq, K, V, kbase, skt, PH, lo1, hi1, num_keys, COUNTER, MASK, L, S,
                  FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT)
-    if MASK == 1 and FREE > 0:  # the tile's part to DQ, then position by position (runs first: no ACCUMULATE)
+    if MASK == 1 and FREE > 0 and FSA:
+        tl.store(DQ_ACC + at, dq, mask=row_ok[:, None])
+    elif MASK == 1 and FREE > 0:  # the tile's part to DQ, then position by position (runs first: no ACCUMULATE)
         tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
         tl.debug_barrier()
         _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh,
                         skt, kbase, sgb, sgt, sgh, start, seq_q, num_keys, G, D, BM, GP, KB, FINE, FREE, SCALE, USE_DOT,
                         COUNT)
     else:
+        if MASK == 2 and FSA:  # the selected branch's dq, complete in DQ_ACC
+            dq += tl.load(DQ_ACC + at, mask=row_ok[:, None], other=0.0)
         dq = dq * SCALE
         if ROTARY:
             dq = _rotate(dq, PH, t, row_ok, BM, D, True)
@@ -483,7 +576,8 @@ def _dkv_rows(Q, DOUT, GATE, LSE, DELTA, i, g, ok, k, v, cols, col_ok, dk, dv, b
               BM: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr, ROTARY: tl.constexpr, USE_DOT: tl.constexpr,
               ANY_KEY: tl.constexpr):
     """dk, dv [keys, D] (dk unscaled, rotated frame) plus one tile of query rows (query i [BM], head g
-    [BM]); ANY_KEY: every key at or before the row's position counts (a chosen block), else the mask."""
+    [BM]), and the rows' dS [BM, keys]; ANY_KEY: every key at or before the row's position counts
+    (a chosen block), else the mask."""
     d = tl.arange(0, D)
     t = start + i
     q = tl.load(Q + b * sqb + i[:, None] * sqt + (h * G + g)[:, None] * sqh + d[None, :], mask=ok[:, None], other=0.0)
@@ -506,17 +600,18 @@ def _dkv_rows(Q, DOUT, GATE, LSE, DELTA, i, g, ok, k, v, cols, col_ok, dk, dv, b
     dv += pv(tl.trans(p), do, USE_DOT)
     ds = p * (qk(do, v, USE_DOT) - delta[:, None])
     dk += pv(tl.trans(ds), q, USE_DOT)
-    return dk, dv
+    return dk, dv, ds
 
 
 @triton.jit
-def backward_dkv_kernel(Q, K, V, GATE, DOUT, LSE, DELTA, DK, DV, PK, PV, PH, FIRST, ORDER, COUNTER,
+def backward_dkv_kernel(Q, K, V, GATE, DOUT, LSE, DELTA, DK, DV, PK, PV, DQ_ACC, PH, FIRST, ORDER, COUNTER,
                         sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sob, sot, soh, sdb, sdt, sdh,
                         start, seq_q, num_keys, num_fine, chunk, part_rows,
                         KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         MASK: tl.constexpr, L: tl.constexpr, S: tl.constexpr, FINE: tl.constexpr,
                         FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, W: tl.constexpr, SCALE: tl.constexpr,
-                        ROTARY: tl.constexpr, CHUNKED: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr):
+                        ROTARY: tl.constexpr, CHUNKED: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr,
+                        FSA: tl.constexpr):
     """One key tile's dk and dv from the query rows that see it, a tile of BM rows at a time.
 
     DK, DV are strided like K (sdb, sdt, sdh); partial sums go to PK, PV [chunks, batch * kv_heads,
@@ -526,7 +621,7 @@ def backward_dkv_kernel(Q, K, V, GATE, DOUT, LSE, DELTA, DK, DV, PK, PV, PH, FIR
     FORCED: tile p < num_fine is fine block p (BN >= FINE keys): the queries whose own or previous
     block it is, and the (query, slot) pairs that chose it (FIRST, ORDER: the reverse index); tile
     num_fine + c takes block 0's readers as the initial block among queries [FINE + c * chunk, ...)
-    into PK, PV."""
+    into PK, PV. With FSA the pairs' dq goes to DQ_ACC (fp32, atomically; strided as DOUT)."""
     pid_n, pid_c, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // KVH, pid_bh % KVH
     r = tl.arange(0, BM)
@@ -565,9 +660,9 @@ def backward_dkv_kernel(Q, K, V, GATE, DOUT, LSE, DELTA, DK, DV, PK, PV, PH, FIR
     for i0 in range(lo, hi, BM // G):
         i = i0 + r // G
         ok = i < hi
-        dk, dv = _dkv_rows(Q, DOUT, GATE, LSE, DELTA, i, r % G, ok, k, v, cols, col_ok, dk, dv, b, h, pid_bh, sqb,
-                           sqt, sqh, sob, sot, soh, sgb, sgt, sgh, start, seq_q, num_keys, PH, MASK, L, S, FINE,
-                           FORCED_BLOCKS, W, G, BM, D, SCALE, ROTARY, USE_DOT, False)
+        dk, dv, _ = _dkv_rows(Q, DOUT, GATE, LSE, DELTA, i, r % G, ok, k, v, cols, col_ok, dk, dv, b, h, pid_bh, sqb,
+                              sqt, sqh, sob, sot, soh, sgb, sgt, sgh, start, seq_q, num_keys, PH, MASK, L, S, FINE,
+                              FORCED_BLOCKS, W, G, BM, D, SCALE, ROTARY, USE_DOT, False)
         if COUNT:
             tl.atomic_add(COUNTER, BM * BN)
     if MASK == 1 and FREE > 0:
@@ -577,10 +672,13 @@ def backward_dkv_kernel(Q, K, V, GATE, DOUT, LSE, DELTA, DK, DV, PK, PV, PH, FIR
             for p0 in range(first, end, BM // G):
                 pair = p0 + r // G
                 ok = pair < end
-                i = (tl.load(ORDER + pid_bh * seq_q * FREE + pair, mask=ok, other=0) // FREE).to(tl.int32)
-                dk, dv = _dkv_rows(Q, DOUT, GATE, LSE, DELTA, i, r % G, ok, k, v, cols, col_ok, dk, dv, b, h, pid_bh,
-                                   sqb, sqt, sqh, sob, sot, soh, sgb, sgt, sgh, start, seq_q, num_keys, PH, MASK, L, S,
-                                   FINE, FORCED_BLOCKS, W, G, BM, D, SCALE, ROTARY, USE_DOT, True)
+                i, _ = _pair_rows(ORDER, pair, ok, pid_bh, seq_q, FREE)
+                dk, dv, ds = _dkv_rows(Q, DOUT, GATE, LSE, DELTA, i, r % G, ok, k, v, cols, col_ok, dk, dv, b, h,
+                                       pid_bh, sqb, sqt, sqh, sob, sot, soh, sgb, sgt, sgh, start, seq_q, num_keys, PH,
+                                       MASK, L, S, FINE, FORCED_BLOCKS, W, G, BM, D, SCALE, ROTARY, USE_DOT, True)
+                if FSA:
+                    at = b * sob + i[:, None] * sot + (h * G + r % G)[:, None] * soh + d[None, :]
+                    tl.atomic_add(DQ_ACC + at, pv(ds, k, USE_DOT), mask=ok[:, None])
                 if COUNT:
                     tl.atomic_add(COUNTER, BM * BN)
     dk = dk * SCALE

@@ -48,34 +48,41 @@ def assert_close(name, got, expected, dtype):
         assert error < 1.5e-2, f"{name}: relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("fsa", [False, True], ids=["paper-order", "flash-sparse-order"])
 @pytest.mark.parametrize("seq,heads,kv_heads,dim_head,block,stride,fine,selected,window,dtype", CASES,
                          ids=[f"T{c[0]}-H{c[1]}-KV{c[2]}-D{c[3]}-cmp{c[4]}x{c[5]}-fine{c[6]}-S{c[7]}-w{c[8]}-"
                               f"{str(c[9])[6:]}" for c in CASES])
-def test_kernels_match_the_definition(seq, heads, kv_heads, dim_head, block, stride, fine, selected, window, dtype):
+def test_kernels_match_the_definition(seq, heads, kv_heads, dim_head, block, stride, fine, selected, window, dtype,
+                                      fsa):
+    """Either order of the chosen blocks: the paper's (a program per query) and Flash Sparse
+    Attention's (a program per block, over the queries that chose it)."""
     tensors, phases, knobs = inputs(seq, heads, kv_heads, dim_head, block, stride, fine, selected, window, dtype)
     leaves = [t.double().requires_grad_() for t in tensors]
     expected, expected_blocks = definition(leaves, phases, knobs)
     device_tensors = [t.to(DEVICE) for t in tensors]
-    out, blocks, saved, lse = kernels.forward(*device_tensors, phases.to(DEVICE), 0, knobs, save=True)
+    out, blocks, saved, lse, order, first = kernels.forward(*device_tensors, phases.to(DEVICE), 0, knobs, save=True,
+                                                            fsa=fsa)
     if dtype == torch.float32:  # bf16 rounds the importance: a near tie may go the other way
         assert torch.equal(blocks.long().cpu(), expected_blocks)
     assert_close("out", out, expected.detach(), dtype)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     expected_grads = torch.autograd.grad((expected * grad.double()).sum(), leaves)
-    grads = kernels.backward(grad.to(DEVICE), *device_tensors, phases.to(DEVICE), saved, lse, blocks, knobs)
+    grads = kernels.backward(grad.to(DEVICE), *device_tensors, phases.to(DEVICE), saved, lse, blocks, order, first,
+                             knobs, fsa)
     for name, got, want in zip(GRADIENTS, grads, expected_grads):
         assert_close(name, got, want, dtype)
 
 
+@pytest.mark.parametrize("fsa", [False, True], ids=["paper-order", "flash-sparse-order"])
 @pytest.mark.parametrize("new", [1, 3])
-def test_queries_after_a_cache_see_what_the_whole_sequence_shows_them(new):
+def test_queries_after_a_cache_see_what_the_whole_sequence_shows_them(new, fsa):
     """Decoding: the last `new` queries from position seq - new, over every earlier key."""
     seq = 40
     tensors, phases, knobs = inputs(seq, 4, 2, 16, 8, 4, 8, 5, 8, torch.float32, seed=2)
     expected, expected_blocks = definition([t.double() for t in tensors], phases, knobs)
     q, kc, vc, *local, gates = (t.to(DEVICE) for t in tensors)
-    out, blocks, _, _ = kernels.forward(q[:, -new:], kc, vc, *local, gates[:, -new:], phases.to(DEVICE), seq - new,
-                                        knobs, save=False)
+    out, blocks, *_ = kernels.forward(q[:, -new:], kc, vc, *local, gates[:, -new:], phases.to(DEVICE), seq - new,
+                                      knobs, save=False, fsa=fsa)
     assert torch.equal(blocks.long().cpu(), expected_blocks[:, :, -new:])
     assert_close("out", out, expected[:, -new:], torch.float32)
 
@@ -85,13 +92,25 @@ def test_readers_cut_into_chunks_give_the_same_gradients(monkeypatch):
     added afterwards, give the gradients of one pass."""
     tensors, phases, knobs = inputs(40, 4, 2, 16, 8, 4, 8, 5, 8, torch.float32, seed=3)
     tensors = [t.to(DEVICE) for t in tensors]
-    out, blocks, saved, lse = kernels.forward(*tensors, phases.to(DEVICE), 0, knobs, save=True)
+    out, blocks, saved, lse, order, first = kernels.forward(*tensors, phases.to(DEVICE), 0, knobs, save=True, fsa=True)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    whole = kernels.backward(grad, *tensors, phases.to(DEVICE), saved, lse, blocks, knobs)
+    kept = (saved, lse, blocks, order, first, knobs, True)
+    whole = kernels.backward(grad, *tensors, phases.to(DEVICE), *kept)
     monkeypatch.setattr(kernels, "READERS_PER_CHUNK", 8)
-    chunked = kernels.backward(grad, *tensors, phases.to(DEVICE), saved, lse, blocks, knobs)
+    chunked = kernels.backward(grad, *tensors, phases.to(DEVICE), *kept)
     for name, a, b in zip(GRADIENTS, chunked, whole):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
+def test_deterministic_runs_take_the_order_without_atomic_adds():
+    """Flash Sparse Attention's order adds a row's chosen blocks atomically (their sum's rounding
+    follows the order the programs finish in); deterministic runs keep the paper's order."""
+    assert kernels.flash_sparse_order(2, 13) and not kernels.flash_sparse_order(16, 13)
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert not kernels.flash_sparse_order(2, 13)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_the_custom_operator_passes_torch_library_checks():
@@ -99,5 +118,5 @@ def test_the_custom_operator_passes_torch_library_checks():
     tensors, phases, knobs = inputs(12, 2, 1, 16, 4, 2, 4, 4, 4, torch.float32, seed=5)
     args = [t.to(DEVICE).requires_grad_() for t in tensors]
     torch.library.opcheck(nsa_forward, (*args, phases.to(DEVICE), 0, knobs.block, knobs.stride, knobs.fine,
-                                        knobs.forced, knobs.free, knobs.window, True),
+                                        knobs.forced, knobs.free, knobs.window, True, True),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
