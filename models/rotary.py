@@ -21,6 +21,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._table: tuple[Tensor, Tensor] | None = None  # cos, signed sin [positions, dim_head]
         self._phases: Tensor | None = None  # e^(i angle) [positions, dim_head / 2], complex
+        self._phase_table: Tensor | None = None  # (cos, sin) [positions, dim_head / 2, 2], fp32
 
     def _cos_sin(self, end: int, device, dtype) -> tuple[Tensor, Tensor]:
         """cos and signed sin for positions [0, end), computed once and grown by doubling
@@ -45,8 +46,15 @@ class Rotary(nn.Module):
 
     def phases(self, end: int, device) -> Tensor:
         """(cos, sin) of each channel pair's angle at positions [0, end): [end, dim_head / 2, 2] fp32,
-        for kernels that rotate as they read (kernels/span_attention/)."""
-        return torch.view_as_real(self._complex(end, device, torch.float32)[:end])
+        for kernels that rotate as they read (kernels/span_attention/, kernels/nsa_attention/); the
+        complex form's numbers (fp64 angles rounded once), kept real so torch.compile traces them,
+        computed once and grown by doubling."""
+        table = self._phase_table
+        if table is None or table.shape[0] < end or table.device != torch.device(device):
+            size = max(end, 2 * table.shape[0] if table is not None else 0, 256)
+            angles = torch.outer(torch.arange(size, device=device, dtype=torch.float64), self.inv_freq.to(device).double())
+            self._phase_table = table = torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+        return table[:end]
 
     def forward(self, x: Tensor, start: int = 0, inverse: bool = False) -> Tensor:
         """Rotate x [..., seq, dim_head] whose first position is `start` (inverse: rotate back,
