@@ -130,7 +130,7 @@ def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_w
     saved = torch.empty(3 if save else 1, b, n, heads, dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(3, b, kv_heads, n, group, device=q.device, dtype=torch.float32)
     blocks = torch.empty(b, kv_heads, n, knobs.free, device=q.device, dtype=torch.int32)
-    order = first = torch.empty(0, device=q.device, dtype=torch.int64)
+    order, first = (torch.empty(0, device=q.device, dtype=torch.int64) for _ in range(2))  # outputs never alias
     if n == 0:
         return out, blocks, saved, lse, order, first
     grid = (triton.cdiv(n, BM // group), b * kv_heads)
