@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from kernels.nsa_attention import triton as kernels
+from kernels.nsa_attention.triton import Knobs
 
 
 @torch.library.custom_op("sparse_attention::nsa_forward", mutates_args=())
@@ -70,7 +71,7 @@ nsa_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def nsa_attention(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
-                  gates: Tensor, phases: Tensor, start: int, knobs: kernels.Knobs) -> tuple[Tensor, Tensor]:
+                  gates: Tensor, phases: Tensor, start: int, knobs: Knobs) -> tuple[Tensor, Tensor]:
     """The three gated branches on the Triton kernels -> out [b, n, heads, d] (passing gradient to every
     tensor but phases) and the chosen fine blocks [b, kv_heads, n, free] (int32, num_fine where unused)."""
     save = start == 0 and torch.is_grad_enabled() and any(

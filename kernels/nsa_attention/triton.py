@@ -48,11 +48,11 @@ class Knobs:
 def supported(group: int, dim_head: int, fine: int) -> Optional[str]:
     """Why the kernels cannot take this shape, or None."""
     if dim_head < 16 or dim_head > 256 or dim_head & (dim_head - 1):
-        return f"dim_head={dim_head} must be a power of two from 16 to 256"
+        return f"dim_head={dim_head} to be a power of two from 16 to 256"
     if group > BM or group & (group - 1):
-        return f"the GQA group (heads / kv_heads = {group}) must be a power of two up to {BM}"
+        return f"the GQA group (heads / kv_heads = {group}) to be a power of two up to {BM}"
     if fine > 128 or fine & (fine - 1):
-        return f"fine_block_size={fine} must be a power of two up to 128"
+        return f"fine_block_size={fine} to be a power of two up to 128"
     return None
 
 

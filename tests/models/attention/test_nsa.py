@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from kernels.compressed_attention import compressed_attention
 from kernels.compressed_attention.naive import compressed_attention as naive
 from kernels import span_attention
+from kernels.nsa_attention import reference as branches
 from models.attention.dense import DenseAttention
 from models.attention.nsa import BRANCH_NAMES, BlockCompressor, NativeSparseAttention, branch_closed, open_branches
 from tests.helpers.attention_checks import assert_truncated_cache_forgets
@@ -69,10 +70,10 @@ def test_all_blocks_selected_equals_dense_causal_attention(n, kernel):
     q = torch.randn(2, 2, 2, n, d)  # [batch, kv_heads, group, seq, dim_head]
     k, v = torch.randn(2, 2, n, d), torch.randn(2, 2, n, d)
     importance = torch.rand(4, n, -(-n // 4))  # [batch * kv_heads, seq, fine blocks]
-    scores, indices = (t.view(2, 2, n, -1) for t in attn._choose(importance, 0, 13))
+    scores, indices = (t.view(2, 2, n, -1) for t in attn.rules.choose(importance, 0, 13))
     dense = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], is_causal=True)
-    torch.testing.assert_close(attn._selected(q, k, v, scores, indices, 0), dense, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(attn._window(q, k, v, 0), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(branches.selected(q, k, v, scores, indices, 0, attn.rules, attn.kernel), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(branches.window(q, k, v, 0, attn.rules, attn.kernel), dense, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -87,14 +88,14 @@ def test_selected_branch_equals_masked_attention_over_the_chosen_blocks(selected
     q, k, v = torch.randn(1, 1, 2, n, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
     importance = torch.rand(1, n, -(-n // l))
     positions = torch.arange(n)
-    allowed = attn._forced_visible(positions[:, None], positions[None])
-    scores, indices = attn._choose(importance, 0, max(0, selected - 3))
+    allowed = attn.rules.forced_visible(positions[:, None], positions[None])
+    scores, indices = attn.rules.choose(importance, 0, max(0, selected - 3))
     valid = scores > float("-inf")
     for s_ in range(indices.shape[-1]):
         allowed |= ((positions[None] // l) == indices[0, :, s_, None]) & valid[0, :, s_, None]
     allowed &= positions[None] <= positions[:, None]
     expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=allowed)
-    torch.testing.assert_close(attn._selected(q, k, v, scores[None], indices[None], 0), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(branches.selected(q, k, v, scores[None], indices[None], 0, attn.rules, attn.kernel), expected, rtol=1e-5, atol=1e-5)
     blocks_per_query = F.pad(allowed, (0, (-n) % l)).view(n, -1, l).any(-1).sum(-1)
     assert (blocks_per_query <= selected).all()
     assert (blocks_per_query[-1] == min(selected, -(-n // l)))
@@ -110,7 +111,7 @@ def test_window_sees_exactly_the_last_w_tokens(kernel):
     i, j = torch.arange(n)[:, None], torch.arange(n)[None]
     mask = (j <= i) & (j > i - 5)
     expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=mask)
-    torch.testing.assert_close(attn._window(q, k, v, 0), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(branches.window(q, k, v, 0, attn.rules, attn.kernel), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not span_attention.available(), reason="no C compiler for the CPU kernel")
@@ -195,10 +196,10 @@ def test_selection_forces_own_initial_and_previous_blocks():
     n = 40
     importance = torch.zeros(1, n, n // 4)
     importance[..., 5] = 1.0  # fine block 5 is the most important wherever it is visible
-    scores, indices = attn._choose(importance, 0, 1)
+    scores, indices = attn.rules.choose(importance, 0, 1)
     valid = scores > float("-inf")
     positions = torch.arange(n)
-    forced = attn._forced_visible(positions[:, None], torch.arange(0, n, 4)[None])  # [query, block]
+    forced = attn.rules.forced_visible(positions[:, None], torch.arange(0, n, 4)[None])  # [query, block]
     for t in (0, 5, 13, 27, 39):
         own = t // 4
         assert set(forced[t].nonzero().flatten().tolist()) == {own, 0, max(own - 1, 0)}
@@ -382,8 +383,8 @@ def _selected_branch(attn, diff_topk):
     k, v = torch.randn(1, 1, n, d, generator=gen), torch.randn(1, 1, n, d, generator=gen)
     kc = torch.randn(1, 1, attn.compress_k.num_blocks(n), d, generator=gen, requires_grad=True)
     _, scores, indices = compressed_attention(q.flatten(0, 1), kc.flatten(0, 1), kc.detach().flatten(0, 1), 0, 4, 2, 4,
-                                              lambda imp, first: attn._choose(imp, first, 2), importance_grad=diff_topk)
-    return attn._selected(q, k, v, scores[None], indices[None], 0), kc
+                                              lambda imp, first: attn.rules.choose(imp, first, 2), importance_grad=diff_topk)
+    return branches.selected(q, k, v, scores[None], indices[None], 0, attn.rules, attn.kernel), kc
 
 
 def test_diff_topk_passes_gradient_to_the_compressed_keys_through_selection():
@@ -422,9 +423,9 @@ def test_selection_equals_the_dense_formulation(n):
     blocks, num_fine = attn.compress_k.num_blocks(n), -(-n // 8)
     q = 4 * torch.randn(4, 2, n, 8, dtype=torch.float64, generator=gen)
     kc = 4 * torch.randn(4, blocks, 8, dtype=torch.float64, generator=gen)
-    _, scores, indices = compressed_attention(q, kc, kc, 0, 6, 4, 8, attn._chooser(n))
+    _, scores, indices = compressed_attention(q, kc, kc, 0, 6, 4, 8, attn.rules.chooser(n))
     _, importance = naive(q, kc, kc, 0, 6, 4, 8, num_fine)
-    ref_scores, ref_indices = attn._choose(importance, 0, 3)
+    ref_scores, ref_indices = attn.rules.choose(importance, 0, 3)
     valid = ref_scores > float("-inf")
     assert torch.equal(scores > float("-inf"), valid)
     assert torch.equal(indices[valid], ref_indices[valid])
@@ -490,7 +491,7 @@ def test_triton_kernels_train_as_the_torch_path(n):
 
 
 def test_triton_kernel_refuses_a_dim_head_it_cannot_tile():
-    with pytest.raises(ValueError, match="kernel=triton needs dim_head a power of two from 16 to 256, not 8"):
+    with pytest.raises(ValueError, match="kernel=triton needs dim_head=8 to be a power of two from 16 to 256"):
         NativeSparseAttention(dim=16, heads=2, dim_head=8, kv_heads=1, sliding_window_size=4, compress_block_size=4,
                               compress_stride=2, fine_block_size=4, num_fine_selected=2, kernel="triton")
 
