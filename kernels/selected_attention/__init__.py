@@ -38,7 +38,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
     if kernel == "auto":
         kernel = "triton" if q.is_cuda else "torch"
     if kernel == "triton":
-        from kernels.selected_attention.triton import TritonSelectedAttention
+        from kernels.selected_attention.triton import selected_forward
 
-        return TritonSelectedAttention.apply(q, k, v, indices, valid, start, block, weights)
+        return selected_forward(q, k, v, indices, valid, start, block, weights)
     return SelectedAttention.apply(q, k, v, indices, valid, start, block, weights)

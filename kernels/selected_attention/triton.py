@@ -18,8 +18,12 @@ every shape through the tiles the interpreter checks (a block of 4 at a group of
 took a broadcast multiply-and-sum that the interpreter computed right and a GPU did not); only bf16
 in the interpreter, which numpy cannot take to tl.dot, uses the sum. Constraints, checked before launch: dim_head <= 256 and a power of two
 (32, 64, 128 in practice), group <= 64, block <= 128 and a power of two. Runs on CUDA tensors, or
-on CPU tensors under TRITON_INTERPRET=1 (slow: the tests use tiny shapes).
+on CPU tensors under TRITON_INTERPRET=1 (slow: the tests use tiny shapes). The forward and the
+backward are custom operators (`sparse_attention::selected_forward`, `selected_backward`), so
+torch.compile and CUDA graphs take them whole; the softmax scale is a constexpr.
 """
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -211,47 +215,78 @@ def _launch_args(q: Tensor, k: Tensor, indices: Tensor, start: int, block: int, 
     return (m, bh), (start, k.shape[1], indices.shape[-1], dim**-0.5), meta
 
 
-class TritonSelectedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, indices, valid, start, block, weights=None):
-        check_supported(q, block)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        indices, valid = indices.contiguous(), valid.to(torch.int8).contiguous()
-        w = valid if weights is None else weights.float().contiguous()  # a placeholder pointer when unweighted
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        grid, scalars, meta = _launch_args(q, k, indices, start, block, weights)
-        if q.shape[1]:
-            _forward[grid](q, k, v, indices, valid, w, out, lse, *scalars, **meta)
-        ctx.save_for_backward(q, k, v, indices, valid, out, lse, weights)
-        ctx.start, ctx.block = start, block
-        ctx.pairs = lambda: int(valid.sum()) * block  # whole blocks: a query's own block is masked, not skipped
-        flops.attention(ctx.pairs, q.shape[2], q.shape[-1])  # q [bh, m, group, d]
-        return out, lse.to(q.dtype) if q.dtype == torch.float64 else lse
+@torch.library.custom_op("sparse_attention::selected_forward", mutates_args=())
+def selected_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int, block: int,
+                     weights: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """out, lse of selected attention (kernels/selected_attention/__init__.py for shapes), as a custom
+    operator so torch.compile and CUDA graphs take it whole."""
+    check_supported(q, block)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    indices, valid8 = indices.contiguous(), valid.to(torch.int8).contiguous()
+    w = valid8 if weights is None else weights.float().contiguous()  # a placeholder pointer when unweighted
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    grid, scalars, meta = _launch_args(q, k, indices, start, block, weights)
+    if q.shape[1]:
+        _forward[grid](q, k, v, indices, valid8, w, out, lse, *scalars, **meta)
+    # whole blocks: a query's own block is masked, not skipped
+    flops.attention(lambda: int(valid.sum()) * block, q.shape[2], q.shape[-1])  # q [bh, m, group, d]
+    return out, lse.to(q.dtype) if q.dtype == torch.float64 else lse
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, indices, valid, out, lse, weights = ctx.saved_tensors
-        dout = dout.contiguous()
-        w = valid if weights is None else weights.float().contiguous()
-        dw = torch.zeros(indices.shape, device=q.device, dtype=torch.float32)
-        delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), minus the lse's own gradient
-        if dlse is not None:
-            delta = delta - dlse.float()
-        delta = delta.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # every key block has a program
-        grid, scalars, meta = _launch_args(q, k, indices, ctx.start, ctx.block, weights)
-        bh, m, group, dim = q.shape
-        if m:
-            _backward_q[grid](q, k, v, indices, valid, w, dout, lse, delta, dq, dw, *scalars, **meta)
-            num_blocks = triton.cdiv(k.shape[1], ctx.block)
-            first, pair_row, pair_slot = _reverse_index(indices, valid.bool(), num_blocks)
-            # queries per tile: the tile's rows (queries x padded group) at least 16 for tensor cores
-            rows = triton.next_power_of_2(group) if meta["USE_DOT"] else meta["GP"]
-            meta = dict(meta, GP=rows, BQ=max(1, 64 // rows))
-            start, seq_k, num_selected, scale = scalars
-            _backward_kv[(num_blocks, bh)](q, k, v, w, dout, lse, delta, dk, dv, first, pair_row, pair_slot, start,
-                                           m, seq_k, num_selected, num_blocks, scale, **meta)
-        flops.attention(ctx.pairs, q.shape[2], q.shape[-1], backward=True)
-        dweights = None if weights is None else dw.to(weights.dtype)
-        return dq, dk, dv, None, None, None, None, dweights
+
+@selected_forward.register_fake
+def _(q, k, v, indices, valid, start, block, weights):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=q.dtype if q.dtype == torch.float64 else torch.float32)
+
+
+@torch.library.custom_op("sparse_attention::selected_backward", mutates_args=())
+def selected_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, indices: Tensor,
+                      valid: Tensor, out: Tensor, lse: Tensor, start: int, block: int,
+                      weights: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv and the slot weights' gradient (zeros without weights)."""
+    q, k, v, out, lse = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.float().contiguous()
+    indices, valid8 = indices.contiguous(), valid.to(torch.int8).contiguous()
+    dout = dout.contiguous()
+    w = valid8 if weights is None else weights.float().contiguous()
+    dw = torch.zeros(indices.shape, device=q.device, dtype=torch.float32)
+    delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), minus the lse's own gradient
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta = delta.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # every key block has a program
+    grid, scalars, meta = _launch_args(q, k, indices, start, block, weights)
+    bh, m, group, dim = q.shape
+    if m:
+        _backward_q[grid](q, k, v, indices, valid8, w, dout, lse, delta, dq, dw, *scalars, **meta)
+        num_blocks = triton.cdiv(k.shape[1], block)
+        first, pair_row, pair_slot = _reverse_index(indices, valid8.bool(), num_blocks)
+        # queries per tile: the tile's rows (queries x padded group) at least 16 for tensor cores
+        rows = triton.next_power_of_2(group) if meta["USE_DOT"] else meta["GP"]
+        meta = dict(meta, GP=rows, BQ=max(1, 64 // rows))
+        start, seq_k, num_selected, scale = scalars
+        _backward_kv[(num_blocks, bh)](q, k, v, w, dout, lse, delta, dk, dv, first, pair_row, pair_slot, start,
+                                       m, seq_k, num_selected, num_blocks, scale, **meta)
+    flops.attention(lambda: int(valid.sum()) * block, q.shape[2], q.shape[-1], backward=True)
+    return dq, dk, dv, dw if weights is None else dw.to(weights.dtype)
+
+
+@selected_backward.register_fake
+def _(dout, dlse, q, k, v, indices, valid, out, lse, start, block, weights):
+    dw = indices.new_empty(indices.shape, dtype=torch.float32 if weights is None else weights.dtype)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dw
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, indices, valid, start, block, weights = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, indices, valid, out, lse, weights)
+    ctx.start, ctx.block, ctx.weighted = start, block, weights is not None
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, indices, valid, out, lse, weights = ctx.saved_tensors
+    dq, dk, dv, dw = selected_backward(dout, dlse, q, k, v, indices, valid, out, lse, ctx.start, ctx.block, weights)
+    return dq, dk, dv, None, None, None, None, dw if ctx.weighted else None
+
+
+selected_forward.register_autograd(_backward, setup_context=_setup_context)

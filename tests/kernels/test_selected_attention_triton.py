@@ -106,3 +106,16 @@ def test_triton_kernel_without_cuda_or_interpreter_is_refused_before_training(mo
     with pytest.raises(ValueError, match="kernel=triton needs a CUDA device.*model.kernel=auto or torch"):
         nsa_lm(num_tokens=64, dim=32, depth=1, heads=2, dim_head=16, kv_heads=1, sliding_window_size=4,
                compress_block_size=4, compress_stride=2, fine_block_size=4, num_fine_selected=3, kernel="triton")
+
+
+def test_the_custom_operator_passes_torch_library_checks():
+    """Schema, fake tensors, autograd registration: what torch.compile relies on."""
+    from kernels.selected_attention.triton import selected_forward
+
+    gen = torch.Generator().manual_seed(4)
+    bh, m, g, d, block, selected = 1, 12, 2, 16, 4, 2
+    q, k, v = (torch.randn(*shape, generator=gen).to(DEVICE).requires_grad_()
+               for shape in ((bh, m, g, d), (bh, m, d), (bh, m, d)))
+    indices, valid = (t.to(DEVICE) for t in random_selection(bh, m, 0, block, selected, gen))
+    torch.library.opcheck(selected_forward, (q, k, v, indices, valid, 0, block, None),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
