@@ -1,12 +1,13 @@
 """Checks of the CUDA tier (tests marked `gpu`, which tests/conftest.py skips where there is no CUDA
-device): a few training steps on CUDA in each precision, and a first training step that agrees
-between the CPU and CUDA."""
+device): a few training steps on CUDA in each precision, cached decoding on CUDA, and a first
+training step that agrees between the CPU and CUDA."""
 
 import math
 import statistics
 from pathlib import Path
 
 from experiments.gpu_report import first_step_agreement
+from tests.helpers.attention_checks import assert_cached_decoding_equals_parallel
 from tests.helpers.runs import TINY_LM, read_metrics, read_summary, train
 
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -47,3 +48,9 @@ def assert_devices_agree(build, loss, train: bool = True) -> None:
     assert agreement.loss <= LOSS_AGREEMENT, f"losses {agreement.losses} differ by {agreement.loss:.2e} relative"
     assert agreement.gradient <= GRADIENT_AGREEMENT, (
         f"the gradient of {agreement.parameter} differs by {agreement.gradient:.2e} relative")
+
+
+def assert_cached_decoding_on_cuda(model, tokens, pieces: list[int]) -> None:
+    """Feeding `tokens` [b, n] to the cache in pieces gives the parallel logits, on CUDA in fp32: sums
+    in other orders move them by ~1e-6, a wrong cache or mask by O(1)."""
+    assert_cached_decoding_equals_parallel(model.float().eval().cuda(), tokens.cuda(), pieces, atol=1e-4)
