@@ -128,7 +128,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
 
     cfg, model, forward = build(model_name, seq, threads, extra, device)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
-    data = ByteText(seq_len=seq, cache_dir=cfg.data.cache_dir)
+    data = ByteText(seq_len=seq)
     batch_tokens = data.train_batch(batch, seed=0, step=0).to(device)
     dev = torch.device(device)
 
@@ -197,11 +197,11 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
     from experiments.runtime.throughput import median_seconds, peak_memory_mb, reset_peak_memory
     from models.sampling import decoding_linears
 
-    cfg, model, _ = build(model_name, context + steps + 2, threads, extra, device)
+    _, model, _ = build(model_name, context + steps + 2, threads, extra, device)
     if model_name.startswith("ref:"):
         raise SystemExit(f"--decode measures this project's models only, not {model_name}")
     model.eval()
-    data = ByteText(seq_len=context, cache_dir=cfg.data.cache_dir)
+    data = ByteText(seq_len=context)
     prompt = data.train_batch(batch, seed=0, step=0)[:, :context].to(device)
     dev = torch.device(device)
     reset_peak_memory(dev)

@@ -1,7 +1,7 @@
 """Everything the GPU issues measure, one stage per call (each fits a 10-minute command), each
 stage's output to a log in the folder given:
 
-    python -m experiments.gpu_report OUT devices   # first step's loss and gradients, CPU against CUDA, per kernel
+    python -m experiments.gpu_report OUT devices   # first step's loss and gradients, CPU against CUDA, per LM
     python -m experiments.gpu_report OUT tests     # pytest -m "gpu or triton" -n 8: the suite's CUDA tier
     python -m experiments.gpu_report OUT kernels   # benchmark_kernels: layers at both settings, branches
     python -m experiments.gpu_report OUT models    # benchmark --device cuda: dense and NSA LMs, bf16
@@ -15,10 +15,18 @@ import argparse
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+if TYPE_CHECKING:  # torch is imported where it is used: `--help` and the no-CUDA message stay fast
+    import torch
+    from omegaconf import DictConfig
+    from torch import Tensor, nn
 
 STAGES = {
-    "tests": [sys.executable, "-m", "pytest", "-m", "gpu or triton", "-n", "8", "-p", "no:cacheprovider", "-q"],
+    # -rP: what passing tests print (how far two runs drift without trainer.deterministic)
+    "tests": [sys.executable, "-m", "pytest", "-m", "gpu or triton", "-n", "8", "-p", "no:cacheprovider", "-q", "-rP"],
     "kernels": [sys.executable, "-m", "experiments.benchmark_kernels", "--lengths", "8192", "16384", "32768",
                 "65536"],
     "models": [sys.executable, "-m", "experiments.benchmark", "--device", "cuda", "--precision", "bf16",
@@ -34,37 +42,120 @@ def header() -> str:
     return f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}"
 
 
-def compare_devices(kernels=("auto", "torch"), devices=("cpu", "cuda")) -> list[str]:
-    """The default NSA LM's first training step (conf/model/nsa.yaml, seq 256, batch 2, fp32, seed 0),
-    once on the CPU and once on CUDA per model.kernel: the loss and the worst relative gradient
-    difference. The weights are the same (built on the CPU from one seed, then moved)."""
+@dataclass
+class Agreement:
+    """One first training step on two devices: each one's loss, and the parameter whose gradient
+    differs most, relative to its norm on the first device (||g_b - g_a|| / ||g_a||)."""
+
+    losses: tuple[float, float]
+    gradient: float
+    parameter: str
+
+    @property
+    def loss(self) -> float:
+        """|loss_b - loss_a| / |loss_a|."""
+        return abs(self.losses[1] - self.losses[0]) / abs(self.losses[0])
+
+
+def first_step_agreement(build: Callable[[str], "nn.Module"], loss: Callable[["nn.Module", "torch.device"], "Tensor"],
+                         devices: Sequence[str] = ("cpu", "cuda"), train: bool = True) -> Agreement:
+    """Forward, loss and backward of the model build(device) returns on each device, from the same
+    weights: build runs under seed 0 on the CPU each time (checked), then the model moves. `loss`
+    draws its inputs from its own seed. fp32 as the CPU computes it: TF32 off for CUDA's matrix
+    products and convolutions. `train=False` evaluates a model that draws random numbers in training
+    (Gumbel noise), since each device draws from its own generator."""
+    import torch
+
+    results, weights = [], None
+    cuda = torch.backends.cuda.matmul, torch.backends.cudnn
+    tf32 = [backend.allow_tf32 for backend in cuda]
+    try:
+        for backend in cuda:
+            backend.allow_tf32 = False
+        for device in devices:
+            torch.manual_seed(0)
+            model = build(device).train(train)
+            state = {name: t.clone() for name, t in model.state_dict().items()}
+            if weights is not None and (state.keys() != weights.keys()
+                                        or any(not torch.equal(t, weights[n]) for n, t in state.items())):
+                raise ValueError(f"build gave other weights for {device}: it must draw them from torch's seed alone")
+            weights = state
+            model = model.to(device)
+            value = loss(model, torch.device(device))
+            value.backward()
+            results.append((value.item(), {name: torch.zeros(p.shape) if p.grad is None else p.grad.float().cpu()
+                                           for name, p in model.named_parameters()}))
+    finally:
+        for backend, allowed in zip(cuda, tf32):
+            backend.allow_tf32 = allowed
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    worst = max((_relative(grads_b[name], g), name) for name, g in grads_a.items())
+    return Agreement((loss_a, loss_b), *worst)
+
+
+def _relative(got: "Tensor", expected: "Tensor") -> float:
+    difference = float((got - expected).norm())
+    return 0.0 if difference == 0 else difference / float(expected.norm())  # inf: a gradient that should be 0
+
+
+def lm_loss(vocab: int, length: int, batch: int = 2) -> Callable[["nn.Module", "torch.device"], "Tensor"]:
+    """Next-token cross-entropy of an LM on `batch` random sequences [batch, length + 1] (seed 0)."""
     import torch
     import torch.nn.functional as F
+
+    tokens = torch.randint(0, vocab, (batch, length + 1), generator=torch.Generator().manual_seed(0))
+
+    def loss(model, device):
+        x = tokens.to(device)
+        return F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+
+    return loss
+
+
+# each LM at its conf/ size, NSA at every model.kernel (triton on the CPU side: torch, see configured_lm)
+DEVICE_CHECKS = [("model=nsa", f"model.kernel={kernel}") for kernel in ("auto", "torch", "triton", "cpu")] + [
+    ("model=transformer",), ("model=sinkhorn",), ("model=routing",)]
+
+
+def configured_lm(*overrides: str) -> tuple[Callable[[str], "nn.Module"], "DictConfig"]:
+    """(build(device), config) for the LM that `overrides` compose from conf/. NSA's kernel=triton is
+    built with kernel=torch for the CPU, where Triton runs only in its interpreter."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.utils import instantiate
 
     from experiments.config import register
 
     register()
+    GlobalHydra.instance().clear()
     with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = compose("config")
-    tokens = torch.randint(0, 256, (2, 257), generator=torch.Generator().manual_seed(0))
-    lines = []
-    for kernel in kernels:
-        results = {}
-        for device in devices:
-            torch.manual_seed(0)
-            model = instantiate(cfg.model, kernel=kernel).to(device)
-            x = tokens.to(device)
-            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
-            loss.backward()
-            results[len(results)] = (loss.item(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()})
-        (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results.values()
-        worst = max(((gpu_grads[n] - g).norm() / g.norm().clamp(min=1e-30), n) for n, g in cpu_grads.items())
-        lines.append(f"kernel={kernel}: loss {devices[0]} {cpu_loss:.9f} {devices[1]} {gpu_loss:.9f} "
-                     f"(diff {gpu_loss - cpu_loss:+.2e}); "
-                     f"worst relative gradient difference {worst[0]:.2e} ({worst[1]})")
-    return lines
+        cfg = compose("config", overrides=list(overrides))
+
+    def build(device: str):
+        if device == "cpu" and getattr(cfg.model.get("kernel"), "name", None) == "triton":  # an enum of the schema
+            return instantiate(cfg.model, kernel="torch")
+        return instantiate(cfg.model)
+
+    return build, cfg
+
+
+def compare_devices(checks: Sequence[tuple[str, ...]] = tuple(DEVICE_CHECKS),
+                    devices: Sequence[str] = ("cpu", "cuda")) -> Iterator[str]:
+    """One line per check, as each is done: the first training step of that LM (data.seq_len tokens,
+    batch 2, fp32, seed 0) on both devices, its losses and the worst relative gradient difference; a
+    check that fails gives a line starting FAILED, and the next one runs."""
+    for overrides in checks:
+        name = " ".join(overrides)
+        try:
+            build, cfg = configured_lm(*overrides)
+            train = cfg.model._target_ != "models.lm.sinkhorn_lm"  # Gumbel-Sinkhorn draws noise in training
+            a = first_step_agreement(build, lm_loss(cfg.model.num_tokens, cfg.data.seq_len), devices, train=train)
+        except Exception as error:  # one model's failure is a finding; the others still get measured
+            yield f"FAILED {name}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            continue
+        yield (f"{name}{'' if train else ' (eval mode)'}: loss {devices[0]} {a.losses[0]:.9f} {devices[1]} "
+               f"{a.losses[1]:.9f} (diff {a.losses[1] - a.losses[0]:+.2e}); "
+               f"worst relative gradient difference {a.gradient:.2e} ({a.parameter})")
 
 
 def run_stage(stage: str, out: Path) -> int:
@@ -73,10 +164,12 @@ def run_stage(stage: str, out: Path) -> int:
     with log.open("w") as f:
         f.write(header() + "\n")
         if stage == "devices":
-            f.write("first step of the default NSA LM, CPU against CUDA, fp32\n")
+            f.write("first training step of each LM at its conf/ size, CPU against CUDA, fp32\n")
+            status = 0
             for line in compare_devices():
                 f.write(line + "\n")
-            status = 0
+                f.flush()
+                status = max(status, int(line.startswith("FAILED")))
         else:
             f.write(" ".join(STAGES[stage]) + "\n")
             f.flush()

@@ -12,6 +12,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the marks it reads are set here
+def pytest_collection_modifyitems(config, items):
+    """The CUDA tier (`pytest -m gpu`): without CUDA its tests are skipped, at no cost; with CUDA every
+    `triton` test, which then runs its kernels on the GPU, belongs to it too."""
+    cuda = torch.cuda.is_available()
+    for item in items:
+        if cuda and item.get_closest_marker("triton"):
+            item.add_marker(pytest.mark.gpu)
+        elif not cuda and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
 @pytest.fixture
 def compose():
     """compose(*overrides) -> the root config, composed exactly as train.py composes it."""

@@ -109,7 +109,7 @@ def test_composition_errors_are_one_line(overrides, message):
 def byte_text(path):
     from experiments.data.text import ByteText
 
-    return ByteText(seq_len=16, path=str(path), val_fraction=0.1, cache_dir=None)
+    return ByteText(seq_len=16, path=str(path), val_fraction=0.1)
 
 
 def test_text_files(tmp_path):

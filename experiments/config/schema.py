@@ -231,9 +231,18 @@ class TextDataConfig:
 
     _target_: str = "experiments.data.text.ByteText"
     seq_len: int = MISSING
-    path: Optional[str] = MISSING  # null: the built-in corpus (this Python's standard library)
+    path: Optional[str] = MISSING  # null: the built-in corpus (a fixed snapshot of Python 3.11.7's standard library)
     val_fraction: float = MISSING  # the validation split is taken from the end
-    cache_dir: str = MISSING
+
+
+@dataclass
+class StdlibDataConfig:
+    """The running interpreter's standard-library sources (they differ between Python versions)."""
+
+    _target_: str = "experiments.data.text.InterpreterStdlib"
+    seq_len: int = MISSING
+    val_fraction: float = MISSING  # the validation split is taken from the end
+    cache_dir: str = MISSING  # where the joined sources are kept after the first build
 
 
 @dataclass
@@ -266,7 +275,6 @@ class PasskeyDataConfig:
     seq_len: int = MISSING
     digits: int = MISSING
     depth_bins: int = MISSING  # validation depths, reported per bin
-    cache_dir: str = MISSING
     curriculum_seq_len: int = MISSING  # the first curriculum_steps steps train on items this long
     curriculum_steps: int = MISSING  # 0: every step at seq_len
 
@@ -411,8 +419,9 @@ class DalleTaskConfig:
 SCHEMAS = {
     "model": {"transformer": TransformerConfig, "nsa": NSAConfig, "sinkhorn": SinkhornConfig,
               "routing": RoutingConfig, "dvae": DiscreteVAEConfig, "dalle": DalleConfig},
-    "data": {"text": TextDataConfig, "enwik8": Enwik8DataConfig, "shapes": ShapesDataConfig,
-             "image_folder": ImageFolderDataConfig, "mqar": MQARDataConfig, "passkey": PasskeyDataConfig},
+    "data": {"text": TextDataConfig, "stdlib": StdlibDataConfig, "enwik8": Enwik8DataConfig,
+             "shapes": ShapesDataConfig, "image_folder": ImageFolderDataConfig, "mqar": MQARDataConfig,
+             "passkey": PasskeyDataConfig},
     "optimizer": {"adam": AdamConfig, "adamw": AdamWConfig},
     "schedule": {"cosine": CosineScheduleConfig, "constant": ConstantScheduleConfig, "plateau": PlateauScheduleConfig},
     "backend": {"local": LocalBackendConfig, "ddp": DDPBackendConfig, "deepspeed": DeepSpeedBackendConfig},

@@ -85,7 +85,7 @@ class RecallData:
 
     @property
     def fingerprint(self) -> str:
-        """Generated data: the knobs are the data set."""
+        """Generated data: the knobs are the data set (a passkey's filler is the fixed built-in corpus)."""
         return f"{self.name}:{hashlib.sha256(self.name.encode()).hexdigest()[:16]}"
 
 
@@ -173,11 +173,9 @@ class Passkey(RecallData):
     _QUESTION = " What is the pass key? The pass key is "
     _STATED = " The pass key is "  # the needle's first words, the key right after them
 
-    def __init__(self, seq_len: int, digits: int, depth_bins: int, cache_dir: str, curriculum_seq_len: int = 256,
+    def __init__(self, seq_len: int, digits: int, depth_bins: int, curriculum_seq_len: int = 256,
                  curriculum_steps: int = 0):
-        from pathlib import Path
-
-        from experiments.data.text import builtin_corpus
+        from experiments.data import corpus
 
         if digits < 1:
             raise UserError(f"data.digits={digits} must be at least 1")
@@ -192,7 +190,7 @@ class Passkey(RecallData):
                 raise UserError(f"data.curriculum_seq_len={curriculum_seq_len} must divide data.seq_len={seq_len}, "
                                 "so that a short batch holds as many tokens as a full one: use a divisor of "
                                 "data.seq_len, or data.curriculum_steps=0 for no curriculum")
-        self.filler = torch.from_numpy(builtin_corpus(Path(cache_dir)))
+        self.filler = torch.from_numpy(corpus.snapshot())
         self.seq_len, self.digits, self.depth_bins = seq_len, digits, depth_bins
         self.curriculum_seq_len, self.curriculum_steps = curriculum_seq_len, curriculum_steps
         self.name = f"passkey-n{seq_len}-d{digits}" + (f"-c{curriculum_seq_len}x{curriculum_steps}"

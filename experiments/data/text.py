@@ -1,4 +1,5 @@
-"""Byte-level language-model data: the built-in corpus, any file, and enwik8 (DESIGN.md section 6).
+"""Byte-level language-model data: the built-in corpus, any file, the interpreter's standard library,
+and enwik8 (DESIGN.md section 6).
 
 Training crops are a pure function of (seed, step, micro-batch, rank, world size), so a resumed run sees
 exactly the batches an uninterrupted one would, with no loader state to save. Validation uses the
@@ -7,10 +8,7 @@ same fixed crops in every run, so val_loss is comparable across runs and seeds.
 
 import gzip
 import hashlib
-import logging
 import os
-import sys
-import sysconfig
 import zlib
 from pathlib import Path
 from typing import Iterator, Optional
@@ -19,12 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from experiments.data import corpus
 from experiments.data.draws import VAL_SEED, step_generator
 from experiments.runtime.errors import UserError
-from experiments.runtime.files import atomic_write
-
-
-log = logging.getLogger(__name__)
 
 
 class ByteData:
@@ -79,19 +74,26 @@ class ByteData:
 
 
 class ByteText(ByteData):
-    """A byte-level corpus: `path`, or by default this Python's standard library sources."""
+    """A byte-level corpus: `path`, or by default the built-in corpus (experiments/data/corpus.py),
+    the same bytes on every install; the last `val_fraction` of it validates."""
 
-    def __init__(self, seq_len: int, path: Optional[str] = None, val_fraction: float = 0.1,
-                 cache_dir: Optional[str] = None):
-        if not 0 < val_fraction < 1:
-            raise UserError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1")
+    def __init__(self, seq_len: int, path: Optional[str] = None, val_fraction: float = 0.1):
+        check_val_fraction(val_fraction)
         if path is None:
-            data, name = builtin_corpus(Path(cache_dir or default_cache_dir())), "stdlib-py" + ".".join(
-                map(str, sys.version_info[:3]))
+            data, name = corpus.snapshot(), corpus.SNAPSHOT
         else:
             data, name = read_bytes(Path(path), key="data.path"), Path(path).name
-        split = len(data) - int(len(data) * val_fraction)
-        super().__init__(data[:split], data[split:], seq_len, name)
+        super().__init__(*split_from_the_end(data, val_fraction), seq_len, name)
+
+
+class InterpreterStdlib(ByteData):
+    """data=stdlib: the running interpreter's standard-library sources, built at first use and cached
+    (they differ between Python versions, and so does this corpus's fingerprint)."""
+
+    def __init__(self, seq_len: int, val_fraction: float = 0.1, cache_dir: Optional[str] = None):
+        check_val_fraction(val_fraction)
+        data = corpus.interpreter_stdlib(Path(cache_dir or default_cache_dir()))
+        super().__init__(*split_from_the_end(data, val_fraction), seq_len, corpus.interpreter_name())
 
 
 class Enwik8(ByteData):
@@ -108,8 +110,19 @@ class Enwik8(ByteData):
         super().__init__(data[:train_bytes], data[train_bytes : train_bytes + val_bytes], seq_len, "enwik8")
 
 
+def check_val_fraction(val_fraction: float) -> None:
+    if not 0 < val_fraction < 1:
+        raise UserError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1")
+
+
+def split_from_the_end(data: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val): the last val_fraction of data validates, as the seeds split enwik8."""
+    split = len(data) - int(len(data) * val_fraction)
+    return data[:split], data[split:]
+
+
 def default_cache_dir() -> Path:
-    """The same folder conf/data/text.yaml names: $XDG_CACHE_HOME or ~/.cache, /sparse-attention."""
+    """The same folder conf/data/stdlib.yaml names: $XDG_CACHE_HOME or ~/.cache, /sparse-attention."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparse-attention"
 
 
@@ -131,24 +144,3 @@ def read_bytes(path: Path, *, key: str, limit: Optional[int] = None, hint: str =
         raise UserError(f"{key}={path} is not {what} ({e}): give an intact file (a .gz is read as gzip, "
                         "anything else as raw bytes)") from None
     return np.frombuffer(raw, dtype=np.uint8).copy()
-
-
-def builtin_corpus(cache_dir: Path) -> np.ndarray:
-    """This interpreter's standard-library .py sources (tests excluded), sorted, joined; cached."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idlelib"}
-    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-    if not files:
-        raise UserError(f"no Python sources under {root} for the built-in corpus: set data.path=<a text file>")
-    listing = "\n".join(f"{p.relative_to(root)}:{p.stat().st_size}" for p in files)
-    key = hashlib.sha256(listing.encode()).hexdigest()[:16]
-    cache = cache_dir / f"stdlib-corpus-{key}.u8"
-    if cache.is_file():
-        return np.fromfile(cache, dtype=np.uint8)
-    data = b"\n".join(p.read_bytes() for p in files)
-    try:
-        atomic_write(cache, lambda f: f.write(data))
-    except OSError as e:  # a read-only home, say: build it again next time, but run now
-        log.warning("could not cache the built-in corpus in %s (%s); set data.cache_dir to a writable folder",
-                    cache_dir, e)
-    return np.frombuffer(data, dtype=np.uint8).copy()

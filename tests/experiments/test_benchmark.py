@@ -1,7 +1,6 @@
 """The training-step benchmark measures what it names, in the precision it is asked for."""
 
 import pytest
-import torch
 
 from experiments import benchmark
 from experiments.runtime import throughput
@@ -34,7 +33,6 @@ def test_tensor_peak_holds_the_optimizer_state_and_all_the_forward_keeps():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("model", ["transformer", "nsa"])
 def test_a_gpu_measurement_runs_on_the_device_and_reads_its_memory(model):
     row = benchmark.measure(model, seq=256, batch=2, steps=1, threads=1, extra=TINY, precision="bf16", device="cuda")

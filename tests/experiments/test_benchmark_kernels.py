@@ -1,23 +1,55 @@
 """The layer and branch benchmark runs its own code on a CPU (tiny setting; the Triton kernels in
 the interpreter): every row is measured, and the ratios are against the dense layer of the run."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
+import kernels
 from experiments import benchmark_kernels
+from tests.helpers.runs import ROOT
+
+TINY_CPU = ["--device", "cpu", "--setting", "tiny", "--lengths", "32", "--dtype", "fp32", "--repeats", "1"]
+
+
+def tiny_cpu_run(capsys) -> list[str]:
+    """The lines `--device cpu` prints with Triton's interpreter on: in this process where it is on
+    (tests/conftest.py turns it on without CUDA), else in a child process that turns it on, since
+    triton reads it when first imported."""
+    if kernels.triton_interpreting():
+        assert benchmark_kernels.main(TINY_CPU) == 0
+        return capsys.readouterr().out.splitlines()
+    child = subprocess.run([sys.executable, "-m", "experiments.benchmark_kernels", *TINY_CPU], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert child.returncode == 0, child.stderr[-3000:]
+    return child.stdout.splitlines()
+
+
+def rows_at_32_tokens(lines: list[str]) -> dict[str, list[str]]:
+    return {line.split()[1]: line.split() for line in lines if line.split()[:1] == ["32"]}
 
 
 @pytest.mark.triton
 def test_tiny_setting_times_every_layer_and_branch_on_the_cpu(capsys):
-    assert benchmark_kernels.main(["--device", "cpu", "--setting", "tiny", "--lengths", "32", "--dtype", "fp32",
-                                   "--repeats", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = tiny_cpu_run(capsys)
     assert "measured ceilings: matrix product" in lines[0]
-    rows = {line.split()[1]: line.split() for line in lines if line.split()[:1] == ["32"]}
+    rows = rows_at_32_tokens(lines)
     assert set(rows) == {"dense", "nsa", "compressed", "selected", "window"}
     assert rows["dense"][5:7] == ["1.00x", "1.00x"]  # the baseline against itself
     for name in ("compressed", "selected", "window"):
         gflop, mib, floor, forward = map(float, rows[name][2:6])
         assert gflop > 0 and mib > 0 and 0 < floor and forward > 0
+
+
+def test_without_the_interpreter_the_cpu_run_times_the_layers_and_says_why_not_the_branches(capsys, monkeypatch):
+    monkeypatch.setattr(kernels, "triton_interpreting", lambda: False)  # as on a CUDA machine, where it is off
+    assert benchmark_kernels.main(TINY_CPU) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert set(rows_at_32_tokens(lines)) == {"dense", "nsa"}
+    assert lines[-1] == ("branches: skipped: on the CPU the Triton kernels run only in Triton's interpreter "
+                         "(TRITON_INTERPRET=1 in the environment)")
 
 
 def test_branch_work_counts_the_pairs_each_branch_visits():

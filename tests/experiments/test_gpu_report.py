@@ -8,9 +8,39 @@ from experiments import gpu_report
 
 
 def test_the_same_device_twice_gives_the_same_first_step():
-    (line,) = gpu_report.compare_devices(kernels=("torch",), devices=("cpu", "cpu"))
-    assert line.startswith("kernel=torch: loss cpu 5.") and "(diff +0.00e+00)" in line
+    (line,) = gpu_report.compare_devices([("model=nsa", "model.kernel=torch")], devices=("cpu", "cpu"))
+    assert line.startswith("model=nsa model.kernel=torch: loss cpu 5.") and "(diff +0.00e+00)" in line
     assert "difference 0.00e+00" in line
+
+
+def test_a_gradient_that_differs_is_found_and_named():
+    """A second device that computes one parameter's gradient 0.1% off, played by a hook on the CPU."""
+    built = []
+
+    def build(device):
+        model = torch.nn.Linear(3, 2)
+        if built:
+            model.weight.register_hook(lambda grad: grad * (1 + 1e-3))
+        built.append(device)
+        return model
+
+    agreement = gpu_report.first_step_agreement(build, lambda model, device: model(torch.ones(4, 3)).square().sum(),
+                                                devices=("cpu", "cpu"))
+    assert agreement.parameter == "weight" and agreement.gradient == pytest.approx(1e-3, rel=1e-3)
+    assert agreement.losses[0] == agreement.losses[1] and agreement.loss == 0
+
+
+def test_models_built_from_other_weights_are_refused():
+    calls = []
+
+    def build(device):
+        calls.append(device)
+        torch.rand(len(calls))  # a draw that differs between the calls: other weights follow
+        return torch.nn.Linear(3, 2)
+
+    with pytest.raises(ValueError, match="build gave other weights for cpu"):
+        gpu_report.first_step_agreement(build, lambda model, device: model(torch.ones(1, 3)).sum(),
+                                        devices=("cpu", "cpu"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")

@@ -59,6 +59,9 @@ TINY_DALLE = [
     "tracker=none",
 ]
 TINY_LM = [*TINY, "model=transformer"]
+# the VAE of TINY_DALLE trained alone
+TINY_DVAE = ["experiment=dvae", *(o.replace("vae.", "model.") for o in TINY_DALLE
+                                  if not o.startswith(("model.", "task.", "experiment")))]
 
 
 def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 300,

@@ -1,11 +1,14 @@
 """DALL-E on the backbone: causal over [caption; image] for every attention type, cached decoding
-equal to the parallel pass, the loss's targets, conditioning on the text, shared layers."""
+equal to the parallel pass, the loss's targets, conditioning on the text, shared layers; on CUDA
+(the gpu tier): cached decoding, the first step against the CPU's, training in each precision."""
 
 import pytest
 import torch
 
 from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient,
                               assert_causal_by_perturbation)
+from tests.helpers.gpu import PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, train_on_cuda
+from tests.helpers.runs import TINY_DALLE
 from models.dalle import DALLE, IGNORE, attention_mask
 
 TEXT_LEN, FMAP = 6, 4
@@ -65,6 +68,35 @@ def test_cached_decoding_equals_the_parallel_pass(kind, shift):
     n = tokens.shape[1]
     # float64: sums in another order (NSA's compressed blocks) differ by ~1e-9, a wrong mask by O(1)
     assert_cached_decoding_equals_parallel(model, tokens, [TEXT_LEN + 1] + [1] * (n - TEXT_LEN - 1), atol=1e-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", TYPES)
+def test_cached_decoding_equals_the_parallel_pass_on_cuda(kind):
+    model = tiny([kind])
+    tokens, _ = model.sequence(*batch(model))
+    assert_cached_decoding_on_cuda(model, tokens, [TEXT_LEN + 1] + [1] * (tokens.shape[1] - TEXT_LEN - 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", TYPES)
+def test_first_step_agrees_between_the_cpu_and_cuda(kind):
+    """Sinkhorn layers in eval mode: in training they draw Gumbel noise, each device from its own
+    generator."""
+    model = tiny([kind])
+    tokens, targets = model.sequence(*batch(model))
+    assert_devices_agree(lambda device: tiny([kind]).float(),
+                         lambda dalle, device: dalle(tokens.to(device), targets=targets.to(device))[0],
+                         train=kind != "sinkhorn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_trains_on_cuda(tmp_path, precision):
+    """Both stages (the VAE, then DALL-E) run on CUDA, each logging its losses."""
+    rows = train_on_cuda(tmp_path, precision, base=TINY_DALLE, steps=3)  # and task.vae_steps=3
+    assert [r["step"] for r in rows if "vae_loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "image_loss" in r] == [4, 5, 6]
 
 
 def test_targets_are_the_caption_then_the_codes():

@@ -1,5 +1,6 @@
 """The discrete VAE: codes and decoded images of the right shape, reconstructions that improve
-with training, the temperature schedule, and clear errors for impossible shapes."""
+with training, the temperature schedule, and clear errors for impossible shapes; on CUDA (the gpu
+tier): the first step against the CPU's, training in each precision."""
 
 import math
 
@@ -8,6 +9,8 @@ import torch
 
 from experiments.data.shapes import Shapes
 from models.dvae import DiscreteVAE
+from tests.helpers.gpu import PRECISIONS, assert_devices_agree, assert_loss_falls, train_on_cuda
+from tests.helpers.runs import TINY_DVAE
 
 
 def tiny(**kwargs) -> DiscreteVAE:
@@ -85,3 +88,17 @@ def test_impossible_shapes_are_refused():
         tiny(image_size=20, num_layers=3)
     with pytest.raises(ValueError, match="temperature_min"):
         tiny(temperature=0.1, temperature_min=0.5)
+
+
+@pytest.mark.gpu
+def test_first_step_agrees_between_the_cpu_and_cuda():
+    """In eval mode (the softmax at temperature_min): training draws Gumbel noise, each device from its
+    own generator. TF32 off, so cuDNN's convolutions compute in fp32 as the CPU's do."""
+    images = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    assert_devices_agree(lambda device: tiny(), lambda vae, device: vae(images.to(device))[0], train=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_trains_on_cuda(tmp_path, precision):
+    assert_loss_falls(train_on_cuda(tmp_path, precision, base=TINY_DVAE))

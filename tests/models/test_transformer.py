@@ -1,9 +1,14 @@
-"""The shared backbone with dense attention, and the sampling helpers."""
+"""The shared backbone with dense attention, and the sampling helpers; on CUDA (the gpu tier): cached
+decoding, the first step against the CPU's, training in each precision."""
 
+import pytest
 import torch
 
+from experiments.gpu_report import lm_loss
 from models.lm import transformer_lm
 from models.sampling import filter_top_k, generate, sample
+from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,
+                               train_on_cuda)
 
 
 def tiny_dense(**kw):
@@ -104,3 +109,19 @@ def test_a_block_recomputes_its_norms_outputs_instead_of_keeping_them(monkeypatc
     assert plain_kept - kept == 2 * 2 * 12 * 32 * 4
     for got, expected in zip(grads, plain_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_cached_decoding_equals_parallel_forward_on_cuda():
+    assert_cached_decoding_on_cuda(tiny_dense(), torch.randint(0, 64, (2, 30)), [11] + [1] * 19)
+
+
+@pytest.mark.gpu
+def test_first_step_agrees_between_the_cpu_and_cuda():
+    assert_devices_agree(lambda device: tiny_dense(), lm_loss(64, 30))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_trains_on_cuda(tmp_path, precision):
+    assert_loss_falls(train_on_cuda(tmp_path, precision))

@@ -104,6 +104,12 @@ def test_default_is_nsa_on_the_builtin_corpus(compose):
     assert cfg.data._target_ == "experiments.data.text.ByteText" and cfg.data.path is None
 
 
+def test_the_interpreters_standard_library_is_its_own_option(compose):
+    cfg = compose("data=stdlib")
+    assert cfg.data._target_ == "experiments.data.text.InterpreterStdlib" and "path" not in cfg.data
+    assert cfg.data.cache_dir.endswith("/sparse-attention") and "cache_dir" not in compose().data
+
+
 def test_misspelt_key_fails_naming_it(compose):
     with pytest.raises(ConfigCompositionException) as info:
         compose("trainer.max_step=5")

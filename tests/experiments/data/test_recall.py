@@ -84,12 +84,12 @@ def test_impossible_mqar_knobs_are_refused(knobs, message):
         mqar(**knobs)
 
 
-def passkey(tmp_path, **kw):
-    return Passkey(**{"seq_len": 256, "digits": 5, "depth_bins": 4, "cache_dir": str(tmp_path), **kw})
+def passkey(**kw):
+    return Passkey(**{"seq_len": 256, "digits": 5, "depth_bins": 4, **kw})
 
 
-def test_every_passkey_answer_is_the_number_hidden_at_its_depth(tmp_path):
-    data = passkey(tmp_path)
+def test_every_passkey_answer_is_the_number_hidden_at_its_depth():
+    data = passkey()
     for inputs, targets, depth in [data.train_batch(8, seed=0, step=2), next(data.val_batches(1, 8))]:
         for x, y in zip(inputs, targets):
             text = data.decode(x)
@@ -101,21 +101,21 @@ def test_every_passkey_answer_is_the_number_hidden_at_its_depth(tmp_path):
     assert torch.bincount(depths, minlength=4).tolist() == [4, 4, 4, 4]  # every bin equally often
 
 
-def test_passkey_depth_bins_place_the_needle(tmp_path):
-    data = passkey(tmp_path, seq_len=1024, depth_bins=4)
+def test_passkey_depth_bins_place_the_needle():
+    data = passkey(seq_len=1024, depth_bins=4)
     inputs, targets, depth = next(data.val_batches(1, 4))
     places = [data.decode(x).index("The pass key is") / len(x) for x in inputs]
     assert depth.tolist() == [0, 1, 2, 3] and places == sorted(places)
     assert places[0] < 0.25 < places[1] < 0.5 < places[2] < 0.75 < places[3]
 
 
-def test_a_passkey_sequence_too_short_is_refused(tmp_path):
+def test_a_passkey_sequence_too_short_is_refused():
     with pytest.raises(UserError, match="data.seq_len=64 leaves no room"):
-        passkey(tmp_path, seq_len=64)
+        passkey(seq_len=64)
 
 
-def test_the_length_curriculum_trains_on_short_items_then_at_full_length(tmp_path):
-    data = passkey(tmp_path, seq_len=1024, curriculum_seq_len=256, curriculum_steps=3)
+def test_the_length_curriculum_trains_on_short_items_then_at_full_length():
+    data = passkey(seq_len=1024, curriculum_seq_len=256, curriculum_steps=3)
     short, full = data.train_batch(2, seed=0, step=2), data.train_batch(2, seed=0, step=3)
     assert short[0].shape == (8, 256) and full[0].shape == (2, 1024)  # as many tokens a step either way
     for x, y in zip(short[0], short[1]):  # short items are whole passkey items, answer included
@@ -127,7 +127,7 @@ def test_the_length_curriculum_trains_on_short_items_then_at_full_length(tmp_pat
     # the lengths it says it trains at (what the loop counts FLOPs at) are those it draws
     assert [data.train_seq_len(s) for s in range(5)] == [256, 256, 256, 1024, 1024]
     assert data.train_seq_lens == (256, 1024)
-    plain = passkey(tmp_path, seq_len=1024)
+    plain = passkey(seq_len=1024)
     assert plain.train_batch(2, seed=0, step=0)[0].shape == (2, 1024) and plain.name != data.name
     assert plain.train_seq_lens == (1024,) and plain.train_seq_len(0) == 1024
 
@@ -137,9 +137,9 @@ def test_the_length_curriculum_trains_on_short_items_then_at_full_length(tmp_pat
     ({"curriculum_seq_len": 64}, "data.curriculum_seq_len=64 leaves no room"),
     ({"curriculum_steps": -1}, "data.curriculum_steps=-1 must be 0"),
 ])
-def test_impossible_curriculum_knobs_are_refused(tmp_path, knobs, message):
+def test_impossible_curriculum_knobs_are_refused(knobs, message):
     with pytest.raises(UserError, match=message):
-        passkey(tmp_path, **{"seq_len": 1024, "curriculum_steps": 5, **knobs})
+        passkey(**{"seq_len": 1024, "curriculum_steps": 5, **knobs})
 
 
 def test_mqar_needles_point_at_the_value_each_answer_copies():
@@ -153,8 +153,8 @@ def test_mqar_needles_point_at_the_value_each_answer_copies():
     assert torch.equal(inputs[rows, needles[asked] - 1], inputs[asked])  # right after the queried key
 
 
-def test_passkey_needles_point_at_the_hidden_digits(tmp_path):
-    data = passkey(tmp_path)
+def test_passkey_needles_point_at_the_hidden_digits():
+    data = passkey()
     inputs, targets, _ = next(data.val_batches(1, 4))
     needles = data.needles(inputs, targets)
     asked = targets != IGNORE

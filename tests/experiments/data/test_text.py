@@ -1,12 +1,16 @@
-"""Byte-level data: the built-in corpus, crops, splits, fingerprints, bad paths."""
+"""Byte-level data: the built-in corpus, the interpreter's, crops, splits, fingerprints, bad paths."""
 
 import gzip
+import hashlib
+import sys
+from importlib.resources import files
 
 import numpy as np
 import pytest
 import torch
 
-from experiments.data.text import ByteText, Enwik8
+from experiments.data import corpus as corpus_module
+from experiments.data.text import ByteText, Enwik8, InterpreterStdlib
 from experiments.runtime.errors import UserError
 
 
@@ -15,11 +19,32 @@ def corpus():
     return ByteText(seq_len=64)
 
 
-def test_builtin_corpus_is_python_source_split_from_the_end(corpus):
-    assert len(corpus.train) > 1_000_000
-    assert len(corpus.val) == pytest.approx(0.1 * (len(corpus.train) + len(corpus.val)), rel=1e-3)
-    assert b"def " in bytes(corpus.train[:20000].numpy())
-    assert ByteText(seq_len=64).fingerprint == corpus.fingerprint  # deterministic (and cached)
+def test_builtin_corpus_is_the_same_bytes_on_every_install(corpus):
+    """The snapshot of Python 3.11.7's standard library, whatever Python runs this: pinned by size and
+    hash, split 90/10 from the end."""
+    whole = np.concatenate((corpus.train.numpy(), corpus.val.numpy())).tobytes()
+    assert len(whole) == 11_354_835 and len(corpus.val) == 1_135_483
+    assert hashlib.sha256(whole).hexdigest() == "cb6bd443e0617389a0d7b511f3e202f2c8f0c01168c178e3b1d295ce212172b2"
+    assert corpus.fingerprint == "stdlib-py3.11.7:11354835:cb6bd443e0617389"
+    assert whole.startswith(b'"""Record of phased-in incompatible language changes.')  # __future__.py, first by path
+
+
+def test_a_damaged_builtin_corpus_is_one_clear_error(tmp_path, monkeypatch):
+    whole = (files("experiments.data") / "builtin" / f"{corpus_module.SNAPSHOT}.txt.gz").read_bytes()
+    (tmp_path / "builtin").mkdir()
+    (tmp_path / "builtin" / f"{corpus_module.SNAPSHOT}.txt.gz").write_bytes(whole[: len(whole) // 2])
+    monkeypatch.setattr(corpus_module, "files", lambda package: tmp_path)
+    with pytest.raises(UserError, match=r"built-in corpus .* cannot be read .*reinstall the project"):
+        ByteText(seq_len=64)
+
+
+def test_the_interpreters_standard_library_is_an_option_named_by_its_version(tmp_path):
+    data = InterpreterStdlib(seq_len=64, cache_dir=str(tmp_path))
+    assert data.name == "stdlib-py" + ".".join(map(str, sys.version_info[:3]))
+    assert len(data.train) > 1_000_000 and b"def " in bytes(data.train[:20000].numpy())
+    assert len(data.val) == pytest.approx(0.1 * (len(data.train) + len(data.val)), rel=1e-3)
+    assert [p.name.startswith("stdlib-corpus-") for p in tmp_path.iterdir()] == [True]  # cached
+    assert InterpreterStdlib(seq_len=64, cache_dir=str(tmp_path)).fingerprint == data.fingerprint
 
 
 def test_training_crops_are_reproducible_and_differ_by_coordinates(corpus):
@@ -76,5 +101,5 @@ def test_sequence_longer_than_a_split_is_refused(tmp_path):
 def test_an_unwritable_cache_folder_only_costs_a_rebuild(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    data = ByteText(seq_len=64, cache_dir=str(blocker / "cache"))  # cannot be created under a file
+    data = InterpreterStdlib(seq_len=64, cache_dir=str(blocker / "cache"))  # cannot be created under a file
     assert len(data.train) > 1_000_000

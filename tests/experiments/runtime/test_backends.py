@@ -1,4 +1,6 @@
-"""Backends: device and precision checks, seeding, peak memory per run, the DeepSpeed config and its checks."""
+"""Backends: device and precision checks, seeding, peak memory per run, the DeepSpeed config and its checks;
+on CUDA (the gpu tier): trainer.deterministic repeats and resumes to the bit, and without it how far
+two runs drift."""
 
 import pytest
 import torch
@@ -7,7 +9,8 @@ from omegaconf import OmegaConf
 from experiments.config.schema import Device, Precision, TrainerConfig
 from experiments.runtime.backends import LocalBackend, parallel_job_slot, peak_memory_mb, reset_peak_memory
 from experiments.runtime.errors import UserError
-from tests.helpers.runs import ROOT, TINY_LM, TINY_NSA, losses, read_metrics, read_summary, train
+from tests.helpers.runs import (ROOT, TINY_LM, TINY_NSA, kill_after_first_checkpoint, losses, read_metrics,
+                                read_summary, train)
 
 
 def trainer(**kw):
@@ -124,3 +127,44 @@ def test_a_deterministic_nsa_run_trains_as_the_default_one(tmp_path):
     train(tmp_path / "default", *steps, base=TINY_NSA)
     train(tmp_path / "deterministic", *steps, "trainer.deterministic=true", base=TINY_NSA)
     assert losses(tmp_path / "deterministic") == losses(tmp_path / "default")
+
+
+# on CUDA, with a checkpoint and a validation every 5 steps
+GPU_STEPS = ["trainer.device=cuda", "trainer.max_steps=30", "trainer.checkpoint_every=5", "trainer.validate_every=5"]
+TINY_RUNS = {"transformer": TINY_LM, "nsa": TINY_NSA}
+
+
+def figures(run) -> dict[tuple[int, str], float]:
+    """(step, name) -> each loss metrics.jsonl holds (written as repr: every bit of the float)."""
+    return {(row["step"], key): row[key] for row in read_metrics(run) for key in ("loss", "val_loss") if key in row}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", TINY_RUNS)
+def test_a_deterministic_gpu_run_repeats_and_resumes_to_the_bit(tmp_path, model):
+    steps, base = [*GPU_STEPS, "trainer.deterministic=true"], TINY_RUNS[model]
+    train(tmp_path / "first", *steps, base=base)
+    train(tmp_path / "again", *steps, base=base)
+    kill_after_first_checkpoint(tmp_path / "killed", *steps, base=base)
+    killed_at = len(losses(tmp_path / "killed"))
+    train(tmp_path / "killed", *steps, base=base)  # the same command: resumes from its checkpoint
+    assert killed_at < 30, "the run finished before it could be killed"
+    first = figures(tmp_path / "first")
+    assert len(first) == 30 + 6  # a loss per step, a validation every 5
+    assert figures(tmp_path / "again") == first
+    assert figures(tmp_path / "killed") == first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", TINY_RUNS)
+def test_without_deterministic_two_gpu_runs_differ_by_little(tmp_path, model):
+    """How far CUDA's atomics (in the backward of embeddings and scatters) move two runs of one
+    command in 30 steps: printed for the README (pytest -rP), and bounded loosely."""
+    train(tmp_path / "first", *GPU_STEPS, base=TINY_RUNS[model])
+    train(tmp_path / "again", *GPU_STEPS, base=TINY_RUNS[model])
+    first, again = figures(tmp_path / "first"), figures(tmp_path / "again")
+    assert first.keys() == again.keys() and len(first) == 30 + 6
+    drift = max(abs(again[key] - value) / value for key, value in first.items())
+    print(f"trainer.deterministic=false, two CUDA runs of the tiny {model} LM: losses differ by up to "
+          f"{drift:.2e} relative over 30 steps")
+    assert drift < 1e-3

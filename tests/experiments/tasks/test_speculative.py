@@ -1,5 +1,6 @@
 """task=speculative: both members trained on the same batches, the draft optionally distilled
-from the target, and the end-of-run sample timing plain against speculative decoding."""
+from the target, and the end-of-run sample timing plain against speculative decoding; on CUDA (the
+gpu tier): the pair in each precision, and the preset."""
 
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import torch.nn.functional as F
 from experiments.tasks.speculative import SpeculativeTask, distillation_kl
 from models.lm import transformer_lm
 from models.transformer import IGNORE
-from tests.helpers.runs import ROOT, TINY, read_metrics, read_summary, run_env
+from tests.helpers.gpu import PRECISIONS, assert_loss_falls, train_on_cuda
+from tests.helpers.runs import ROOT, TINY, read_metrics, read_summary, run_env, train
 
 
 def test_distillation_kl_is_the_kl_from_the_target_over_kept_positions():
@@ -110,6 +112,30 @@ def test_speculative_task_trains_both_and_times_both_decoders(tmp_path):
                           "--length", "16", "--gamma", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "speedup" in out.stdout and "of 3 draft tokens" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_pair_trains_on_cuda_and_decodes_both_ways(tmp_path, precision):
+    rows = train_on_cuda(tmp_path, precision, "trainer.log_every=1", base=SPEC_TINY)
+    assert_loss_falls(rows)
+    assert_loss_falls(rows, "draft_loss")
+    summary = read_summary(tmp_path)
+    assert summary["base_tokens_per_s"] > 0 and summary["spec_tokens_per_s"] > 0
+    assert 0 <= summary["acceptance_rate"] <= 1
+
+
+@pytest.mark.gpu
+def test_the_preset_runs_a_few_steps_on_cuda(tmp_path):
+    """experiment=speculative as the README runs it (a 6-layer target, a 1-layer draft, seq 256), five
+    steps, then its validation and both timed decoders."""
+    train(tmp_path, "experiment=speculative", "trainer.max_steps=5", "trainer.device=cuda", "tracker=none",
+          "trainer.progress=false", base=[])
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "completed" and summary["device"].startswith("cuda") and summary["step"] == 5
+    for key in ("val_bpc", "draft_val_bpc", "speedup", "acceptance_rate", "base_tokens_per_s", "spec_tokens_per_s"):
+        assert summary[key] is not None and summary[key] >= 0, key
+    assert "=== speculative decoding" in (tmp_path / "samples" / "step_0000005.txt").read_text()
 
 
 def test_speculative_task_without_a_draft_says_how_to_add_one(tmp_path):

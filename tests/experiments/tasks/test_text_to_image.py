@@ -1,4 +1,5 @@
-"""The dvae and dalle tasks end to end: stages, run directory, scores, generation, resume."""
+"""The dvae and dalle tasks end to end: stages, run directory, scores, generation, resume; on CUDA (the
+gpu tier): the preset."""
 
 import json
 import subprocess
@@ -8,11 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers.runs import ROOT, TINY_DALLE, run_env, kill_after_first_checkpoint, read_metrics, read_summary, train
+from tests.helpers.runs import (ROOT, TINY_DALLE, TINY_DVAE, run_env, kill_after_first_checkpoint, read_metrics,
+                                read_summary, train)
 from experiments.runtime import checkpoint
-
-TINY_DVAE = [o.replace("vae.", "model.") for o in TINY_DALLE if not o.startswith(("model.", "task.", "experiment"))]
-TINY_DVAE = ["experiment=dvae", *TINY_DVAE]
 
 
 def test_dalle_trains_the_vae_then_dalle_and_leaves_scored_image_grids(tmp_path):
@@ -109,3 +108,17 @@ def test_tasks_refuse_models_they_cannot_train(tmp_path):
         result = train(tmp_path / str(i), *overrides, base=quick, check=False)
         assert result.returncode != 0 and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.gpu
+def test_the_preset_runs_a_few_steps_of_each_stage_on_cuda(tmp_path):
+    """experiment=dalle as the README runs it, five VAE steps and five DALL-E steps, then validation and
+    a generated grid."""
+    train(tmp_path, "experiment=dalle", "task.vae_steps=5", "trainer.max_steps=5", "trainer.device=cuda",
+          "trainer.log_every=1", "tracker=none", "trainer.progress=false", base=[])
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows if "vae_loss" in r] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows if "image_loss" in r] == [6, 7, 8, 9, 10]
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "completed" and summary["device"].startswith("cuda")
+    assert 0 <= summary["colour_agreement"] <= 1 and (tmp_path / "samples" / "step_0000010.png").is_file()

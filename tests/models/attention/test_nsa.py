@@ -1,4 +1,5 @@
-"""Native Sparse Attention: causality, the branches' definitions, caching, odd lengths."""
+"""Native Sparse Attention: causality, the branches' definitions, caching, odd lengths; on CUDA (the gpu
+tier): cached decoding, the first step against the CPU's for every kernel, training in each precision."""
 
 import pytest
 import torch
@@ -11,7 +12,11 @@ from kernels import span_attention
 from kernels.nsa_attention import reference as branches
 from models.attention.dense import DenseAttention
 from models.attention.nsa import BRANCH_NAMES, BlockCompressor, NativeSparseAttention, branch_closed, open_branches
+from experiments.gpu_report import lm_loss
 from tests.helpers.attention_checks import assert_truncated_cache_forgets
+from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,
+                               train_on_cuda)
+from tests.helpers.runs import TINY_NSA
 from models.lm import nsa_lm
 
 # the selected and window branches from position 0: plain PyTorch, and the span-attention CPU kernel
@@ -26,8 +31,7 @@ KNOBS = dict(kv_heads=2, sliding_window_size=8, compress_block_size=4, compress_
 
 def tiny_nsa(**overrides):
     torch.manual_seed(0)
-    knobs = {**KNOBS, **overrides}
-    return nsa_lm(num_tokens=64, dim=32, depth=2, heads=4, dim_head=8, **knobs).eval()
+    return nsa_lm(**{"num_tokens": 64, "dim": 32, "depth": 2, "heads": 4, "dim_head": 8, **KNOBS, **overrides}).eval()
 
 
 @pytest.mark.parametrize("t", [0, 2, 3, 4, 7, 8, 15, 16, 30, 45])
@@ -218,6 +222,30 @@ def test_cached_decoding_equals_parallel_forward():
     pieces += [model(x[:, t : t + 1], cache=cache) for t in range(9, 30)]
     pieces.append(model(x[:, 30:], cache=cache))  # several tokens at once after a cache
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_cached_decoding_equals_parallel_forward_on_cuda(kernel):
+    """dim_head 16, so that kernel=auto runs the Triton kernels; 15 tokens at once at the end."""
+    assert_cached_decoding_on_cuda(tiny_nsa(dim_head=16, kernel=kernel), torch.randint(0, 64, (2, 45)),
+                                   [9] + [1] * 21 + [15])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "torch", "triton", *KERNELS[1:]])
+def test_first_step_agrees_between_the_cpu_and_cuda(kernel):
+    """Every model.kernel on CUDA against the CPU's (triton against torch there: the CPU runs Triton only
+    in its interpreter; cpu on CUDA is the torch path)."""
+    on_cpu = "torch" if kernel == "triton" else kernel
+    assert_devices_agree(lambda device: tiny_nsa(dim_head=16, kernel=on_cpu if device == "cpu" else kernel),
+                         lm_loss(64, 45))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_trains_on_cuda(tmp_path, precision):
+    assert_loss_falls(train_on_cuda(tmp_path, precision, base=TINY_NSA))
 
 
 @pytest.mark.parametrize("keep", [3, 9, 16, 22])

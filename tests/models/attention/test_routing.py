@@ -1,4 +1,5 @@
-"""Routing attention: token-exact causality, the window-of-my-cluster rule, caching, k-means."""
+"""Routing attention: token-exact causality, the window-of-my-cluster rule, caching, k-means; on CUDA (the
+gpu tier): cached decoding, the first step against the CPU's, training in each precision."""
 
 import pytest
 import torch
@@ -7,11 +8,17 @@ import torch.nn.functional as F
 from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient,
                                             assert_causal_by_perturbation, assert_recomputation_changes_nothing,
                                             assert_truncated_cache_forgets, saved_bytes)
+from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,
+                               train_on_cuda)
+from experiments.gpu_report import lm_loss
 from models.attention.dense import DenseAttention
 from models.attention.routing import RoutingAttention
 from models.lm import routing_lm
 
 WINDOW = 4
+# a tiny routing run of train.py
+ROUTING_RUN = ["model=routing", "model.n_local_attn_heads=1", "model.window_size=8", "model.num_clusters=2",
+               "schedule=constant", "trainer.validate_every=0", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3"]
 
 
 def tiny_routing(local_heads=1, **kw):
@@ -93,6 +100,23 @@ def test_cached_decoding_equals_parallel_forward(pieces):
     assert_cached_decoding_equals_parallel(tiny_routing().eval(), torch.randint(0, 32, (2, 23)), pieces)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("pieces", [[1] * 23, [5, 3, 8, 7]], ids=["one-at-a-time", "5-3-8-7"])
+def test_cached_decoding_equals_parallel_forward_on_cuda(pieces):
+    assert_cached_decoding_on_cuda(tiny_routing(), torch.randint(0, 32, (2, 23)), pieces)
+
+
+@pytest.mark.gpu
+def test_first_step_agrees_between_the_cpu_and_cuda():
+    assert_devices_agree(lambda device: tiny_routing().float(), lm_loss(32, 24))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_trains_on_cuda(tmp_path, precision):
+    assert_loss_falls(train_on_cuda(tmp_path, precision, *ROUTING_RUN))
+
+
 def test_truncated_cache_forgets_the_rolled_back_tokens():
     assert_truncated_cache_forgets(tiny_routing().eval(), torch.randint(0, 32, (2, 17)), keep=9)
 
@@ -160,10 +184,6 @@ def test_generation_works_before_any_training():
 def test_bad_knobs_are_refused_with_the_key(bad, message):
     with pytest.raises(ValueError, match=message):
         tiny_routing(**bad)
-
-
-ROUTING_RUN = ["model=routing", "model.n_local_attn_heads=1", "model.window_size=8", "model.num_clusters=2",
-               "schedule=constant", "trainer.validate_every=0", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3"]
 
 
 def test_centroids_move_in_training_and_a_resumed_run_continues_with_them(tmp_path):

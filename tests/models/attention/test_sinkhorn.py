@@ -1,4 +1,5 @@
-"""Sparse Sinkhorn attention: causal balancing, token-exact causality, buckets, caching."""
+"""Sparse Sinkhorn attention: causal balancing, token-exact causality, buckets, caching; on CUDA (the gpu
+tier): cached decoding, the first step against the CPU's, training in each precision."""
 
 import pytest
 import torch
@@ -7,6 +8,10 @@ import torch.nn.functional as F
 from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient,
                                             assert_causal_by_perturbation, assert_recomputation_changes_nothing,
                                             assert_truncated_cache_forgets, logits_with_embedding, saved_bytes)
+from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,
+                               train_on_cuda)
+from tests.helpers.runs import TINY
+from experiments.gpu_report import lm_loss
 from models.attention.dense import DenseAttention
 from models.attention.sinkhorn import SinkhornAttention, sinkhorn
 from models.lm import sinkhorn_lm
@@ -83,6 +88,25 @@ def test_sinkhorn_rounds_follow_the_definition():
 def test_cached_decoding_equals_parallel_forward(pieces):
     model = tiny_sinkhorn().eval()
     assert_cached_decoding_equals_parallel(model, torch.randint(0, 32, (2, 23)), pieces)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pieces", [[1] * 23, [5, 3, 8, 7]], ids=["one-at-a-time", "5-3-8-7"])
+def test_cached_decoding_equals_parallel_forward_on_cuda(pieces):
+    assert_cached_decoding_on_cuda(tiny_sinkhorn(), torch.randint(0, 32, (2, 23)), pieces)
+
+
+@pytest.mark.gpu
+def test_first_step_agrees_between_the_cpu_and_cuda():
+    """In eval mode: training draws Gumbel noise, each device from its own generator."""
+    assert_devices_agree(lambda device: tiny_sinkhorn().float(), lm_loss(32, 24), train=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_trains_on_cuda(tmp_path, precision):
+    assert_loss_falls(train_on_cuda(tmp_path, precision, "model=sinkhorn", "model.bucket_size=8",
+                                    "model.n_local_attn_heads=1", base=TINY))
 
 
 def test_truncated_cache_forgets_the_rolled_back_tokens():
