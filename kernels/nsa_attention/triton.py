@@ -94,11 +94,12 @@ def _selection_meta(q: Tensor, kv_heads: int, knobs: Knobs) -> dict:
 
 
 class _Count:
-    """A launch's counter of visited pairs while kernels.counters records, else a placeholder."""
+    """A launch's counter of visited pairs while kernels.counters records; else `unused` stands in
+    for it (the kernel compiles without counting, and nothing is allocated)."""
 
-    def __init__(self, device):
+    def __init__(self, unused: Tensor):
         self.on = counters.counting()
-        self.tensor = torch.zeros(1, dtype=torch.int64, device=device)
+        self.tensor = torch.zeros(1, dtype=torch.int64, device=unused.device) if self.on else unused
 
     def record(self, name: str, grid: tuple, rows: int, keys: int, needed: int) -> None:
         if self.on:
@@ -146,7 +147,7 @@ def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_w
             order, first = _reverse_index(blocks, num_fine)
             if fsa:
                 _pairs(0, q, k, v, lse[FORCED], stats, acc, phases, blocks, first, order, start, num_fine, knobs)
-        count = _Count(q.device)
+        count = _Count(q)
         meta = _meta(mask, q, kv_heads, knobs)
         forward_kernel[grid](q, k, v, gates[:, :, mask], out, saved[mask if save else 0], lse[mask], phases, blocks,
                              stats, acc, gates[:, :, FORCED], saved[FORCED if save else 0], count.tensor,
@@ -168,7 +169,7 @@ def _pairs(which: int, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tens
     kv_heads = k.shape[2]
     meta = _meta(FORCED, q, kv_heads, knobs)
     grid = (num_fine, b * kv_heads)
-    count = _Count(q.device)
+    count = _Count(q)
     pairs_kernel[grid](q, k, v, lse, stats, acc, phases, first, order, count.tensor, *_strides(q), *_strides(k),
                        *_strides(acc), start, n, k.shape[1], num_fine, KVH=kv_heads, G=meta["G"], D=dim, BM=BM,
                        KB=meta["BN"], FINE=knobs.fine, FREE=knobs.free, SCALE=meta["SCALE"], USE_DOT=meta["USE_DOT"],
@@ -207,7 +208,7 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
     for mask, step in steps:
         k, v, keys, dk, dv = branches[mask]
         meta = _meta(mask, q, kv_heads, knobs)
-        count = _Count(q.device)
+        count = _Count(q)
         if step == "dq":
             backward_dq_kernel[grid](q, k, v, gates[:, :, mask], dout, saved[mask], lse[mask], delta[mask],
                                      dgates[:, :, mask], dq, dq_acc, phases, blocks, count.tensor, *_strides(q),
