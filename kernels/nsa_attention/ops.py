@@ -15,7 +15,7 @@ from kernels.nsa_attention.triton import Knobs
 def nsa_forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
                 gates: Tensor, phases: Tensor, start: int, block: int, stride: int, fine: int, forced: int, free: int,
                 window: int, save: bool, fsa: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> out, blocks, saved, lse, order, first (kernels/nsa_attention/triton.py forward)."""
+    """-> out, blocks, saved, lse, order, ranked (kernels/nsa_attention/triton.py forward)."""
     knobs = kernels.Knobs(block, stride, fine, forced, free, window)
     return kernels.forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs, save, fsa)
 
@@ -26,37 +26,36 @@ def _(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, block, stride
     b, n, heads, dim = q.shape
     kv_heads = kc.shape[1]
     indexed = n and free and (save or fsa)  # the chosen blocks' reverse index
-    num_fine = -(-k_slc.shape[1] // fine)
     return (q.new_empty(b, n, heads, dim), q.new_empty(b, kv_heads, n, free, dtype=torch.int32),
             q.new_empty(3 if save else 1, b, n, heads, dim),
             q.new_empty(3, b, kv_heads, n, heads // kv_heads, dtype=torch.float32),
             q.new_empty((b * kv_heads, n * free) if indexed else (0,), dtype=torch.int64),
-            q.new_empty((b * kv_heads, num_fine + 1) if indexed else (0,), dtype=torch.int64))
+            q.new_empty((b * kv_heads, n * free) if indexed else (0,), dtype=torch.int32))
 
 
 @torch.library.custom_op("sparse_attention::nsa_backward", mutates_args=())
 def nsa_backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
                  v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor,
-                 order: Tensor, first: Tensor, block: int, stride: int, fine: int, forced: int, free: int, window: int,
+                 order: Tensor, ranked: Tensor, block: int, stride: int, fine: int, forced: int, free: int, window: int,
                  fsa: bool) -> list[Tensor]:
     """-> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates (kernels/nsa_attention/triton.py backward)."""
     knobs = kernels.Knobs(block, stride, fine, forced, free, window)
     return list(kernels.backward(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks,
-                                 order, first, knobs, fsa))
+                                 order, ranked, knobs, fsa))
 
 
 @nsa_backward.register_fake
-def _(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, first, block, stride,
+def _(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, ranked, block, stride,
       fine, forced, free, window, fsa):
     return [torch.empty_like(t) for t in (q, kc, vc, k_slc, v_slc, k_win, v_win, gates)]
 
 
 def _setup_context(ctx, inputs, output):
     q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, *knobs, save, fsa = inputs
-    _, blocks, saved, lse, order, first = output
-    ctx.save_for_backward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, first)
+    _, blocks, saved, lse, order, ranked = output
+    ctx.save_for_backward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, ranked)
     ctx.knobs, ctx.fsa, ctx.backward_possible = knobs, fsa, save and not start
-    ctx.mark_non_differentiable(blocks, saved, lse, order, first)
+    ctx.mark_non_differentiable(blocks, saved, lse, order, ranked)
 
 
 def _backward(ctx, dout, *_):

@@ -120,7 +120,7 @@ def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_w
     """The gated sum of the three branches -> out [b, n, heads, d], the chosen fine blocks
     [b, kv_heads, n, free] (int32, num_fine where unused), and for the backward the branches'
     outputs before their gates [3, b, n, heads, d] (one scratch unless `save`), their log-sum-exps
-    [3, b, kv_heads, n, group] and the chosen blocks' reverse index (order, first: _reverse_index;
+    [3, b, kv_heads, n, group] and the chosen blocks' reverse index (order, ranked: _reverse_index;
     empty unless `save` or `fsa`, Flash Sparse Attention's order for the chosen blocks)."""
     b, n, heads, dim = q.shape
     kv_heads, num_blocks = kc.shape[1], kc.shape[2]
@@ -131,9 +131,9 @@ def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_w
     saved = torch.empty(3 if save else 1, b, n, heads, dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(3, b, kv_heads, n, group, device=q.device, dtype=torch.float32)
     blocks = torch.empty(b, kv_heads, n, knobs.free, device=q.device, dtype=torch.int32)
-    order, first = (torch.empty(0, device=q.device, dtype=torch.int64) for _ in range(2))  # outputs never alias
+    order, ranked = (torch.empty(0, device=q.device, dtype=dtype) for dtype in (torch.int64, torch.int32))
     if n == 0:
-        return out, blocks, saved, lse, order, first
+        return out, blocks, saved, lse, order, ranked
     grid = (triton.cdiv(n, BM // group), b * kv_heads)
     selection = _selection_meta(q, kv_heads, knobs)
     # with Flash Sparse Attention's order the selected branch's output adds up in fp32, and the
@@ -144,9 +144,9 @@ def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_w
     for mask, k, v, keys in ((COMPRESSED, kc, vc, num_blocks), (FORCED, k_slc, v_slc, num_keys),
                              (WINDOW, k_win, v_win, num_keys)):  # mask: the branch's place in gates, saved and lse
         if mask == FORCED and (fsa or save) and knobs.free:
-            order, first = _reverse_index(blocks, num_fine)
+            order, ranked = _reverse_index(blocks)
             if fsa:
-                _pairs(0, q, k, v, lse[FORCED], stats, acc, phases, blocks, first, order, start, num_fine, knobs)
+                _pairs(0, q, k, v, lse[FORCED], stats, acc, phases, blocks, ranked, order, start, num_fine, knobs)
         count = _Count(q)
         meta = _meta(mask, q, kv_heads, knobs)
         forward_kernel[grid](q, k, v, gates[:, :, mask], out, saved[mask if save else 0], lse[mask], phases, blocks,
@@ -158,19 +158,19 @@ def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_w
             mask, start, n, keys, knobs, blocks, pass_count=2 if mask == COMPRESSED and knobs.free else 1,
             chosen=not fsa) if count.on else 0)
         if mask == FORCED and fsa:
-            _pairs(1, q, k, v, lse[FORCED], stats, acc, phases, blocks, first, order, start, num_fine, knobs)
-    return out, blocks, saved, lse, order, first
+            _pairs(1, q, k, v, lse[FORCED], stats, acc, phases, blocks, ranked, order, start, num_fine, knobs)
+    return out, blocks, saved, lse, order, ranked
 
 
 def _pairs(which: int, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tensor, acc: Tensor, phases: Tensor,
-           blocks: Tensor, first: Tensor, order: Tensor, start: int, num_fine: int, knobs: Knobs) -> None:
+           blocks: Tensor, ranked: Tensor, order: Tensor, start: int, num_fine: int, knobs: Knobs) -> None:
     """The pairs kernel's pass `which` (0: each pair's log-sum-exp; 1: its share of the output)."""
     b, n, heads, dim = q.shape
     kv_heads = k.shape[2]
     meta = _meta(FORCED, q, kv_heads, knobs)
     grid = (num_fine, b * kv_heads)
     count = _Count(q)
-    pairs_kernel[grid](q, k, v, lse, stats, acc, phases, first, order, count.tensor, *_strides(q), *_strides(k),
+    pairs_kernel[grid](q, k, v, lse, stats, acc, phases, ranked, order, count.tensor, *_strides(q), *_strides(k),
                        *_strides(acc), start, n, k.shape[1], num_fine, KVH=kv_heads, G=meta["G"], D=dim, BM=BM,
                        KB=meta["BN"], FINE=knobs.fine, FREE=knobs.free, SCALE=meta["SCALE"], USE_DOT=meta["USE_DOT"],
                        COUNT=count.on, PASS=which, num_warps=meta["num_warps"])
@@ -180,7 +180,7 @@ def _pairs(which: int, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tens
 
 def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
              v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor, order: Tensor,
-             first: Tensor, knobs: Knobs, fsa: bool) -> tuple[Tensor, ...]:
+             ranked: Tensor, knobs: Knobs, fsa: bool) -> tuple[Tensor, ...]:
     """Gradients of forward's out (from position 0) -> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates."""
     b, n, heads, dim = q.shape
     kv_heads, num_blocks = kc.shape[1], kc.shape[2]
@@ -231,7 +231,7 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
         partial = torch.empty(2, chunks if used else 1, b * kv_heads, rows if used else 1, dim, device=q.device,
                               dtype=torch.float32)
         backward_dkv_kernel[grid_kv](q, k, v, gates[:, :, mask], dout, lse[mask], delta[mask], dk, dv, partial[0],
-                                     partial[1], dq_acc, phases, first if knobs.free else blocks,
+                                     partial[1], dq_acc, phases, ranked if knobs.free else blocks,
                                      order if knobs.free else blocks, count.tensor, *_strides(q),
                                      *_key_strides(mask, k), *_strides(gates[:, :, mask]), *_strides(dout),
                                      *_key_strides(mask, dk), 0, n, keys, num_fine,
@@ -260,15 +260,12 @@ def _chunks(n: int, chunk_bytes: int, q: Tensor) -> int:
     return max(1, min(triton.cdiv(n, READERS_PER_CHUNK), q.numel() * q.element_size() // max(chunk_bytes, 1)))
 
 
-def _reverse_index(blocks: Tensor, num_fine: int) -> tuple[Tensor, Tensor]:
-    """The (query, slot) pairs that chose each fine block: blocks [b, kv_heads, n, free] ->
-    order [b * kv_heads, n * free] (pair = query * free + slot, sorted by block, unused last) and
-    first [b * kv_heads, num_fine + 1] (block f's pairs are order[first[f] : first[f + 1]])."""
-    flat = blocks.view(blocks.shape[0] * blocks.shape[1], -1)
-    chosen, order = torch.sort(flat, dim=-1, stable=True)
-    bounds = torch.arange(num_fine + 1, device=blocks.device, dtype=chosen.dtype).repeat(flat.shape[0], 1)
-    first = torch.searchsorted(chosen, bounds)
-    return order, first
+def _reverse_index(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """The (query, slot) pairs that chose each fine block, in one sort: blocks [b, kv_heads, n, free]
+    -> order [b * kv_heads, n * free] (pair = query * free + slot, sorted by block, unused last) and
+    the blocks so sorted (the kernels find a block's run in them by binary search)."""
+    ranked, order = torch.sort(blocks.view(blocks.shape[0] * blocks.shape[1], -1), dim=-1, stable=True)
+    return order, ranked
 
 
 def needed_pairs(mask: int, start: int, n: int, keys: int, knobs: Knobs, blocks: Tensor, pass_count: int = 1,

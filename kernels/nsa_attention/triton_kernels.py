@@ -377,6 +377,29 @@ def forward_kernel(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, STATS, ACC, GATE_
 
 
 @triton.jit
+def _pairs_of(SORTED, pid_bh, seq_q, block, FREE: tl.constexpr):
+    """[first, end): the positions of `block` in the row's sorted chosen blocks (SORTED [b * kv_heads,
+    seq_q * FREE], unused slots last), found by binary search: where ORDER holds its pairs."""
+    base = pid_bh * seq_q * FREE
+    length = seq_q * FREE
+    first = length * 0
+    end = length * 0
+    for target in tl.static_range(2):
+        lo = length * 0
+        hi = length + 0
+        while lo < hi:
+            mid = (lo + hi) // 2
+            below = tl.load(SORTED + base + mid) < block + target
+            lo = tl.where(below, mid + 1, lo)
+            hi = tl.where(below, hi, mid)
+        if target == 0:
+            first = lo
+        else:
+            end = lo
+    return first, end
+
+
+@triton.jit
 def _pair_rows(ORDER, pair, ok, pid_bh, seq_q, FREE: tl.constexpr):
     """The (query, slot) of pairs [rows] from the reverse index."""
     flat = tl.load(ORDER + pid_bh * seq_q * FREE + pair, mask=ok, other=0)
@@ -384,7 +407,7 @@ def _pair_rows(ORDER, pair, ok, pid_bh, seq_q, FREE: tl.constexpr):
 
 
 @triton.jit
-def pairs_kernel(Q, K, V, LSE, STATS, ACC, PH, FIRST, ORDER, COUNTER, sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
+def pairs_kernel(Q, K, V, LSE, STATS, ACC, PH, SORTED, ORDER, COUNTER, sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
                  start, seq_q, num_keys, num_fine, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                  BM: tl.constexpr, KB: tl.constexpr, FINE: tl.constexpr, FREE: tl.constexpr, SCALE: tl.constexpr,
                  USE_DOT: tl.constexpr, COUNT: tl.constexpr, PASS: tl.constexpr):
@@ -402,8 +425,7 @@ def pairs_kernel(Q, K, V, LSE, STATS, ACC, PH, FIRST, ORDER, COUNTER, sqb, sqt, 
     cols = pid_n * FINE + j
     col_ok = (j < FINE) & (cols < num_keys)
     k, v = _keys(K, V, b * skb + h * skh, skt, cols, col_ok, PH, d, KB, D, True)
-    first = tl.load(FIRST + pid_bh * (num_fine + 1) + pid_n)
-    end = tl.load(FIRST + pid_bh * (num_fine + 1) + pid_n + 1)
+    first, end = _pairs_of(SORTED, pid_bh, seq_q, pid_n, FREE)
     for p0 in range(first, end, BM // G):
         pair = p0 + r // G
         ok = pair < end
@@ -604,7 +626,7 @@ def _dkv_rows(Q, DOUT, GATE, LSE, DELTA, i, g, ok, k, v, cols, col_ok, dk, dv, b
 
 
 @triton.jit
-def backward_dkv_kernel(Q, K, V, GATE, DOUT, LSE, DELTA, DK, DV, PK, PV, DQ_ACC, PH, FIRST, ORDER, COUNTER,
+def backward_dkv_kernel(Q, K, V, GATE, DOUT, LSE, DELTA, DK, DV, PK, PV, DQ_ACC, PH, SORTED, ORDER, COUNTER,
                         sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sob, sot, soh, sdb, sdt, sdh,
                         start, seq_q, num_keys, num_fine, chunk, part_rows,
                         KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -619,7 +641,7 @@ def backward_dkv_kernel(Q, K, V, GATE, DOUT, LSE, DELTA, DK, DV, PK, PV, DQ_ACC,
     COMPRESSED: program (tile, chunk c) takes the readers among queries [c * chunk, (c + 1) * chunk),
     into PK, PV when CHUNKED. WINDOW: the readers (t in [j, j + W)) in one go.
     FORCED: tile p < num_fine is fine block p (BN >= FINE keys): the queries whose own or previous
-    block it is, and the (query, slot) pairs that chose it (FIRST, ORDER: the reverse index); tile
+    block it is, and the (query, slot) pairs that chose it (SORTED, ORDER: the reverse index); tile
     num_fine + c takes block 0's readers as the initial block among queries [FINE + c * chunk, ...)
     into PK, PV. With FSA the pairs' dq goes to DQ_ACC (fp32, atomically; strided as DOUT)."""
     pid_n, pid_c, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -667,8 +689,7 @@ def backward_dkv_kernel(Q, K, V, GATE, DOUT, LSE, DELTA, DK, DV, PK, PV, DQ_ACC,
             tl.atomic_add(COUNTER, BM * BN)
     if MASK == 1 and FREE > 0:
         if not initial:  # the (query, slot) pairs that chose this block, BM // G pairs a tile
-            first = tl.load(FIRST + pid_bh * (num_fine + 1) + block)
-            end = tl.load(FIRST + pid_bh * (num_fine + 1) + block + 1)
+            first, end = _pairs_of(SORTED, pid_bh, seq_q, block, FREE)
             for p0 in range(first, end, BM // G):
                 pair = p0 + r // G
                 ok = pair < end

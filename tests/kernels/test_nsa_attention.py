@@ -60,14 +60,14 @@ def test_kernels_match_the_definition(seq, heads, kv_heads, dim_head, block, str
     leaves = [t.double().requires_grad_() for t in tensors]
     expected, expected_blocks = definition(leaves, phases, knobs)
     device_tensors = [t.to(DEVICE) for t in tensors]
-    out, blocks, saved, lse, order, first = kernels.forward(*device_tensors, phases.to(DEVICE), 0, knobs, save=True,
+    out, blocks, saved, lse, order, ranked = kernels.forward(*device_tensors, phases.to(DEVICE), 0, knobs, save=True,
                                                             fsa=fsa)
     if dtype == torch.float32:  # bf16 rounds the importance: a near tie may go the other way
         assert torch.equal(blocks.long().cpu(), expected_blocks)
     assert_close("out", out, expected.detach(), dtype)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     expected_grads = torch.autograd.grad((expected * grad.double()).sum(), leaves)
-    grads = kernels.backward(grad.to(DEVICE), *device_tensors, phases.to(DEVICE), saved, lse, blocks, order, first,
+    grads = kernels.backward(grad.to(DEVICE), *device_tensors, phases.to(DEVICE), saved, lse, blocks, order, ranked,
                              knobs, fsa)
     for name, got, want in zip(GRADIENTS, grads, expected_grads):
         assert_close(name, got, want, dtype)
@@ -92,9 +92,9 @@ def test_readers_cut_into_chunks_give_the_same_gradients(monkeypatch):
     added afterwards, give the gradients of one pass."""
     tensors, phases, knobs = inputs(40, 4, 2, 16, 8, 4, 8, 5, 8, torch.float32, seed=3)
     tensors = [t.to(DEVICE) for t in tensors]
-    out, blocks, saved, lse, order, first = kernels.forward(*tensors, phases.to(DEVICE), 0, knobs, save=True, fsa=True)
+    out, blocks, saved, lse, order, ranked = kernels.forward(*tensors, phases.to(DEVICE), 0, knobs, save=True, fsa=True)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    kept = (saved, lse, blocks, order, first, knobs, True)
+    kept = (saved, lse, blocks, order, ranked, knobs, True)
     whole = kernels.backward(grad, *tensors, phases.to(DEVICE), *kept)
     monkeypatch.setattr(kernels, "READERS_PER_CHUNK", 8)
     chunked = kernels.backward(grad, *tensors, phases.to(DEVICE), *kept)
