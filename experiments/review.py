@@ -26,14 +26,15 @@ from typing import Optional
 
 import yaml
 
-from experiments.review_plots import higher_is_better, plot, recall_plots
+from experiments.review_plots import BY_POSITION, higher_is_better, plot, position_plot, recall_plots
 from experiments.runtime.run import HYDRA, METRICS, OVERRIDES, SUMMARY
 
 STALE_S = 600  # a run without a summary and no metrics written for this long was killed
 
-COLUMNS = ["run", "status", "step", "best", "final", "tokens_per_s", "peak_mem_mb", "params", "wall_s"]
-# shown when a run has it: NSA on recall data, the share of answers whose needle its selection held
-OPTIONAL = ["selection_hit"]
+COLUMNS = ["run", "status", "step", "best", "final", "last_bucket", "tokens_per_s", "peak_mem_mb", "params", "wall_s"]
+# shown when a run has it: a language model's val_bpc over the last positions of its sequence (the
+# longest-range figure); NSA on recall data, the share of answers whose needle its selection held
+OPTIONAL = ["last_bucket", "selection_hit"]
 
 
 @dataclass
@@ -92,6 +93,14 @@ class RunRecord:
             return rows[-1]
         return self.summary.get(key, rows[-1] if rows else None)
 
+    def last_bucket(self) -> dict:
+        """{"last_bucket": val_bpc over the last positions, "last_bucket_range": "[lo,hi)"}, None without
+        a by-position figure (runs from before it, runs of other tasks)."""
+        figure = self.latest(BY_POSITION)
+        if not figure:
+            return {"last_bucket": None, "last_bucket_range": None}
+        return {"last_bucket": figure["values"][-1], "last_bucket_range": f"[{figure['edges'][-2]},{figure['edges'][-1]})"}
+
     def row(self, metric: str) -> dict:
         step = self.summary.get("step") if self.status != "running" else None
         if step is None:
@@ -103,6 +112,7 @@ class RunRecord:
             "step": step,
             "best": self.best(metric),
             "final": self.final(metric),
+            **self.last_bucket(),
             "tokens_per_s": self.latest("tokens_per_s"),
             "peak_mem_mb": self.summary.get("peak_mem_mb"),
             "params": self.summary.get("params"),
@@ -207,7 +217,7 @@ def seed_statistics(runs: list[RunRecord], metric: str) -> list[dict]:
 def _fmt(key: str, value) -> str:
     if value is None:
         return "-"
-    if key in ("best", "final", "mean", "std", "min", "max", "selection_hit"):
+    if key in ("best", "final", "last_bucket", "mean", "std", "min", "max", "selection_hit"):
         return f"{value:.4f}"
     if key in ("tokens_per_s", "peak_mem_mb"):
         return f"{value:,.0f}"
@@ -219,12 +229,14 @@ def _fmt(key: str, value) -> str:
 
 
 def _columns(rows: list[dict]) -> list[str]:
-    return COLUMNS + [c for c in OPTIONAL if any(row[c] is not None for row in rows)]
+    return [c for c in dict.fromkeys(COLUMNS + OPTIONAL) if c not in OPTIONAL or any(row[c] is not None for row in rows)]
 
 
-def _headers(metric: str, columns: list[str]) -> list[str]:
+def _headers(metric: str, columns: list[str], rows: list[dict]) -> list[str]:
+    ranges = {row["last_bucket_range"] for row in rows if row["last_bucket_range"]}
     names = {"best": f"best {metric}", "final": f"final {metric}", "tokens_per_s": "tokens/s", "peak_mem_mb": "peak MB",
-             "wall_s": "wall", "selection_hit": "selection hit"}
+             "wall_s": "wall", "selection_hit": "selection hit",
+             "last_bucket": f"val_bpc {ranges.pop()}" if len(ranges) == 1 else "val_bpc last bucket"}
     return [names.get(c, c) for c in columns]
 
 
@@ -235,7 +247,7 @@ def text_table(groups: dict[str, list[dict]], metric: str, markdown: bool) -> st
             out.append(f"{'### ' if markdown else ''}data {fingerprint} (ranked on its own: other runs saw other data)\n")
         columns = _columns(rows)
         cells = [[_fmt(c, row[c]) for c in columns] for row in rows]
-        headers = _headers(metric, columns)
+        headers = _headers(metric, columns, rows)
         if markdown:
             out.append("| " + " | ".join(headers) + " |")
             out.append("|" + "|".join("---" for _ in headers) + "|")
@@ -327,7 +339,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     out_dir = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pictures = [] if args.no_plots else plot(runs, groups, metric, out_dir) + recall_plots(runs, out_dir)
+    pictures = [] if args.no_plots else (plot(runs, groups, metric, out_dir) + position_plot(runs, configuration, out_dir)
+                                         + recall_plots(runs, out_dir))
     report = [f"# Review of {', '.join(map(str, args.paths))}", "", f"{len(runs)} runs, ranked by best {metric}.", "",
               text_table(groups, metric, markdown=True), seed_table(stats, metric, markdown=True)]
     report += [f"![{p.stem}]({p.name})\n" for p in pictures]
