@@ -219,9 +219,8 @@ def loss_by_position(plt, curves: dict[str, dict[str, list[dict]]]):
     return fig
 
 
-def position_plot(runs: list, configuration, out_dir: Path) -> list[Path]:
-    """bpc_by_position.png when any run has a by-position figure (language models), else nothing."""
-    curves = position_curves(runs, configuration)
+def position_plot(curves: dict[str, dict[str, list[dict]]], out_dir: Path) -> list[Path]:
+    """bpc_by_position.png of position_curves' lines when there are any (language models), else nothing."""
     if not curves:
         return []
     plt = _pyplot()

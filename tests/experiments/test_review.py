@@ -208,8 +208,15 @@ def test_loss_by_position_is_a_column_beside_val_bpc_and_a_plot(tmp_path, capsys
         "model=nsa trainer.seed=0": "1.6", "model=nsa trainer.seed=1": "1.8",
         "model=transformer trainer.seed=0": "1.2", "model=sinkhorn trainer.seed=0": ""}
     assert main([str(sweep)]) == 0
-    header = capsys.readouterr().out.splitlines()[0]
-    assert "final val_bpc  val_bpc [64,256)  tokens/s" in header  # the last bucket's range names the column
+    out = capsys.readouterr().out.splitlines()
+    assert "final val_bpc  val_bpc [64,256)  tokens/s" in out[0]  # the last bucket's range names the column
+    # and every bucket, a row per configuration and member, the mean over seeds
+    table = out[out.index("final val_bpc by position, data text-256") + 2:]
+    assert table[0].split() == ["run", "[0,16)", "[16,64)", "[64,256)"]
+    assert [row.split() for row in table[2:5]] == [
+        ["model=nsa", "(mean", "of", "2", "seeds)", "3.1000", "2.1000", "1.7000"],
+        ["model=transformer", "3.0000", "2.0000", "1.2000"],
+        ["model=transformer", "(draft)", "3.5000", "3.0000", "2.5000"]]
     image = imread(sweep / "bpc_by_position.png")
     assert image.ndim == 3 and image[..., :3].std() > 0.01
     assert "![bpc_by_position](bpc_by_position.png)" in (sweep / "review.md").read_text()
