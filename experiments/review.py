@@ -101,7 +101,8 @@ class RunRecord:
         figure = self.latest(BY_POSITION)
         if not figure:
             return {"last_bucket": None, "last_bucket_range": None}
-        return {"last_bucket": figure["values"][-1], "last_bucket_range": f"[{figure['edges'][-2]},{figure['edges'][-1]})"}
+        lo, hi = figure["edges"][-2:]
+        return {"last_bucket": figure["values"][-1], "last_bucket_range": f"[{lo},{hi})"}
 
     def row(self, metric: str) -> dict:
         step = self.summary.get("step") if self.status != "running" else None
@@ -231,7 +232,8 @@ def _fmt(key: str, value) -> str:
 
 
 def _columns(rows: list[dict]) -> list[str]:
-    return [c for c in dict.fromkeys(COLUMNS + OPTIONAL) if c not in OPTIONAL or any(row[c] is not None for row in rows)]
+    shown = [c for c in OPTIONAL if any(row[c] is not None for row in rows)]
+    return [c for c in dict.fromkeys(COLUMNS + OPTIONAL) if c not in OPTIONAL or c in shown]
 
 
 def _headers(metric: str, columns: list[str], rows: list[dict]) -> list[str]:

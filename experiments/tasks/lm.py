@@ -74,7 +74,7 @@ class LanguageModelTask(Task):
         beyond = torch.arange(n, device=targets.device)[None, :] >= lengths.to(targets.device)
         return targets.masked_fill(beyond, IGNORE)
 
-    def validation_metrics(self, member: Member) -> dict[str, float]:
+    def validation_metrics(self, member: Member) -> dict:
         tr, backend = self.ctx.trainer, self.ctx.backend
         losses, by_position = [], PositionLoss(self.ctx.data.seq_len)
         # the global batches of every rank together, shared out by rows as in training

@@ -37,7 +37,7 @@ def test_table_markdown_and_real_pngs(sweep):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:4] == ["run", "status", "step", "best"]
-    ranked = [line for line in lines if line.startswith("model.kv_heads=1 ")]
+    ranked = [line for line in lines if line.startswith("model.kv_heads=1 trainer.seed=")]
     assert len(ranked) == 2 and all("completed" in line for line in ranked)
     assert any(line.startswith("model.kv_heads=3 ") and "failed" in line for line in lines)
     assert "multiple of kv_heads" in out.stdout  # the failure's first line
@@ -231,7 +231,7 @@ def test_loss_by_position_draws_a_line_per_configuration_and_member(tmp_path):
     plt = _pyplot()
     fig = loss_by_position(plt, curves)
     (ax,) = fig.axes
-    lines = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines() if not line.get_label().startswith("_")}
+    lines = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines()}
     assert lines["model=nsa, 2 seeds"] == pytest.approx([3.1, 2.1, 1.7])  # the mean over seeds
     assert lines["model=transformer (draft)"] == [3.5, 3.0, 2.5]
     (band,) = ax.collections  # the two nsa seeds' range; one seed draws none
