@@ -8,6 +8,8 @@ run is named by the overrides that distinguish it from the others (read from
 .hydra/overrides.yaml), ranked by its best validation metric, and shown with its status: failed
 and interrupted runs with the first line of their error, runs still going with their latest
 figures. Runs on different data (their data_fingerprint) are ranked separately, never together.
+Language models also show where in the sequence they lose: the final val_bpc of the last bucket of
+positions beside val_bpc, every bucket in a table of their own and in bpc_by_position.png.
 review.md and the PNG plots are written beside the reviewed directory (or into --out).
 """
 
@@ -26,14 +28,15 @@ from typing import Optional
 
 import yaml
 
-from experiments.review_plots import higher_is_better, plot, recall_plots
+from experiments.review_plots import BY_POSITION, higher_is_better, plot, position_curves, position_plot, recall_plots
 from experiments.runtime.run import HYDRA, METRICS, OVERRIDES, SUMMARY
 
 STALE_S = 600  # a run without a summary and no metrics written for this long was killed
 
-COLUMNS = ["run", "status", "step", "best", "final", "tokens_per_s", "peak_mem_mb", "params", "wall_s"]
-# shown when a run has it: NSA on recall data, the share of answers whose needle its selection held
-OPTIONAL = ["selection_hit"]
+COLUMNS = ["run", "status", "step", "best", "final", "last_bucket", "tokens_per_s", "peak_mem_mb", "params", "wall_s"]
+# shown when a run has it: a language model's val_bpc over the last positions of its sequence (the
+# longest-range figure); NSA on recall data, the share of answers whose needle its selection held
+OPTIONAL = ["last_bucket", "selection_hit"]
 
 
 @dataclass
@@ -92,6 +95,15 @@ class RunRecord:
             return rows[-1]
         return self.summary.get(key, rows[-1] if rows else None)
 
+    def last_bucket(self) -> dict:
+        """{"last_bucket": val_bpc over the last positions, "last_bucket_range": "[lo,hi)"}, None without
+        a by-position figure (runs from before it, runs of other tasks)."""
+        figure = self.latest(BY_POSITION)
+        if not figure:
+            return {"last_bucket": None, "last_bucket_range": None}
+        lo, hi = figure["edges"][-2:]
+        return {"last_bucket": figure["values"][-1], "last_bucket_range": f"[{lo},{hi})"}
+
     def row(self, metric: str) -> dict:
         step = self.summary.get("step") if self.status != "running" else None
         if step is None:
@@ -103,6 +115,7 @@ class RunRecord:
             "step": step,
             "best": self.best(metric),
             "final": self.final(metric),
+            **self.last_bucket(),
             "tokens_per_s": self.latest("tokens_per_s"),
             "peak_mem_mb": self.summary.get("peak_mem_mb"),
             "params": self.summary.get("params"),
@@ -207,7 +220,7 @@ def seed_statistics(runs: list[RunRecord], metric: str) -> list[dict]:
 def _fmt(key: str, value) -> str:
     if value is None:
         return "-"
-    if key in ("best", "final", "mean", "std", "min", "max", "selection_hit"):
+    if key in ("best", "final", "last_bucket", "mean", "std", "min", "max", "selection_hit"):
         return f"{value:.4f}"
     if key in ("tokens_per_s", "peak_mem_mb"):
         return f"{value:,.0f}"
@@ -219,12 +232,15 @@ def _fmt(key: str, value) -> str:
 
 
 def _columns(rows: list[dict]) -> list[str]:
-    return COLUMNS + [c for c in OPTIONAL if any(row[c] is not None for row in rows)]
+    shown = [c for c in OPTIONAL if any(row[c] is not None for row in rows)]
+    return [c for c in dict.fromkeys(COLUMNS + OPTIONAL) if c not in OPTIONAL or c in shown]
 
 
-def _headers(metric: str, columns: list[str]) -> list[str]:
+def _headers(metric: str, columns: list[str], rows: list[dict]) -> list[str]:
+    ranges = {row["last_bucket_range"] for row in rows if row["last_bucket_range"]}
     names = {"best": f"best {metric}", "final": f"final {metric}", "tokens_per_s": "tokens/s", "peak_mem_mb": "peak MB",
-             "wall_s": "wall", "selection_hit": "selection hit"}
+             "wall_s": "wall", "selection_hit": "selection hit",
+             "last_bucket": f"val_bpc {ranges.pop()}" if len(ranges) == 1 else "val_bpc last bucket"}
     return [names.get(c, c) for c in columns]
 
 
@@ -235,16 +251,7 @@ def text_table(groups: dict[str, list[dict]], metric: str, markdown: bool) -> st
             out.append(f"{'### ' if markdown else ''}data {fingerprint} (ranked on its own: other runs saw other data)\n")
         columns = _columns(rows)
         cells = [[_fmt(c, row[c]) for c in columns] for row in rows]
-        headers = _headers(metric, columns)
-        if markdown:
-            out.append("| " + " | ".join(headers) + " |")
-            out.append("|" + "|".join("---" for _ in headers) + "|")
-            out.extend("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells)
-        else:
-            widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
-            out.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-            out.append("  ".join("-" * w for w in widths))
-            out.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)
+        out.extend(_grid(_headers(metric, columns, rows), cells, markdown))
         problems = [row for row in rows if row["error"] or row["status"] in ("interrupted", "running")]
         if problems:
             out.append("")
@@ -252,6 +259,34 @@ def text_table(groups: dict[str, list[dict]], metric: str, markdown: bool) -> st
                 what = row["error"] or ("still running" if row["status"] == "running" else "killed before it finished")
                 out.append(f"{'- ' if markdown else '  '}{row['run']}: {row['status']}: {what}")
         out.append("")
+    return "\n".join(out)
+
+
+def _grid(headers: list[str], cells: list[list[str]], markdown: bool) -> list[str]:
+    """The lines of a table: markdown, or columns padded to their widths."""
+    if markdown:
+        return ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|",
+                *("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells)]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    return ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths),
+            *("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)]
+
+
+def position_table(curves: dict[str, dict[str, list[dict]]], markdown: bool) -> str:
+    """Final val_bpc per bucket of positions (the numbers of bpc_by_position.png): a row per
+    configuration and member, the mean over its seeds; a table per data fingerprint and bucket set."""
+    out = []
+    for fingerprint, lines in sorted(curves.items()):
+        by_edges: dict[tuple, list] = {}
+        for label, seeds in sorted(lines.items()):
+            by_edges.setdefault(tuple(seeds[0]["edges"]), []).append((label, seeds))
+        for edges, rows in by_edges.items():
+            out += [f"{'## ' if markdown else ''}final val_bpc by position, data {fingerprint}", ""]
+            headers = ["run", *(f"[{lo},{hi})" for lo, hi in zip(edges, edges[1:]))]
+            cells = [[label + (f" (mean of {len(seeds)} seeds)" if len(seeds) > 1 else ""),
+                      *(f"{statistics.mean(v):.4f}" for v in zip(*(s["values"] for s in seeds)))]
+                     for label, seeds in rows]
+            out += [*_grid(headers, cells, markdown), ""]
     return "\n".join(out)
 
 
@@ -312,6 +347,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         metric = "val_loss"  # runs that are not byte-level report no bits per byte
     groups = rank(runs, metric, args.sort)
     stats = seed_statistics(runs, metric)
+    curves = position_curves(runs, configuration)
     fingerprints = {r.fingerprint for r in runs if r.fingerprint}
     if len(fingerprints) > 1:
         print(f"warning: these runs saw {len(fingerprints)} different data sets; each is ranked on its own",
@@ -323,13 +359,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(csv_text(groups), end="")
     else:
         markdown = args.format == "markdown"
-        print(text_table(groups, metric, markdown) + seed_table(stats, metric, markdown), end="")
+        print(text_table(groups, metric, markdown) + seed_table(stats, metric, markdown)
+              + position_table(curves, markdown), end="")
 
     out_dir = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pictures = [] if args.no_plots else plot(runs, groups, metric, out_dir) + recall_plots(runs, out_dir)
+    pictures = [] if args.no_plots else (plot(runs, groups, metric, out_dir) + position_plot(curves, out_dir)
+                                         + recall_plots(runs, out_dir))
     report = [f"# Review of {', '.join(map(str, args.paths))}", "", f"{len(runs)} runs, ranked by best {metric}.", "",
-              text_table(groups, metric, markdown=True), seed_table(stats, metric, markdown=True)]
+              text_table(groups, metric, markdown=True), seed_table(stats, metric, markdown=True),
+              position_table(curves, markdown=True)]
     report += [f"![{p.stem}]({p.name})\n" for p in pictures]
     (out_dir / "review.md").write_text("\n".join(report))
     print(f"\nwrote {out_dir / 'review.md'}" + "".join(f", {p.name}" for p in pictures), file=sys.stderr)

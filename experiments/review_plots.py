@@ -1,7 +1,12 @@
-"""The review's pictures: validation curves, quality against speed, and for recall runs accuracy
-against width per attention (Zoology's layout) and a passkey depth x length map."""
+"""The review's pictures: validation curves, quality against speed, language models' loss by
+position in the sequence, and for recall runs accuracy against width per attention (Zoology's
+layout) and a passkey depth x length map."""
 
+import math
+import statistics
 from pathlib import Path
+
+BY_POSITION = "val_bpc_by_position"  # a language model's validation by position (experiments/tasks/positions.py)
 
 
 def higher_is_better(metric: str) -> bool:
@@ -154,3 +159,73 @@ def recall_plots(runs: list, out_dir: Path) -> list[Path]:
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     return written
+
+
+def position_curves(runs: list, configuration) -> dict[str, dict[str, list[dict]]]:
+    """{data fingerprint: {line label: [by-position figure of each seed]}} from each run's final
+    validation; a line is a configuration (`configuration(run)`: its name without the seed) and one of
+    its members (the target, or `(draft)` for a speculative pair's draft_ key). Seeds whose buckets
+    differ from the line's first are left out, as a band needs the same buckets."""
+    curves: dict[str, dict[str, list[dict]]] = {}
+    for r in runs:
+        for key in sorted(k for k in r.summary.keys() | {k for row in r.metrics for k in row}
+                          if k.endswith(BY_POSITION)):
+            figure = r.latest(key)
+            if not figure:
+                continue
+            member = key.removesuffix(BY_POSITION).rstrip("_")
+            label = configuration(r) + (f" ({member})" if member else "")
+            seeds = curves.setdefault(r.fingerprint or "?", {}).setdefault(label, [])
+            if not seeds or seeds[0]["edges"] == figure["edges"]:
+                seeds.append(figure)
+    return curves
+
+
+def bucket_centres(edges: list[int]) -> list[float]:
+    """Where each bucket [lo, hi) sits on a log axis: the geometric mean of max(lo, 1) and hi."""
+    return [math.sqrt(max(lo, 1) * hi) for lo, hi in zip(edges, edges[1:])]
+
+
+def loss_by_position(plt, curves: dict[str, dict[str, list[dict]]]):
+    """curves (position_curves) -> one panel per data fingerprint of val_bpc against position (log
+    x-axis): a line per configuration through the mean over its seeds, their range as a band. A
+    configuration keeps its colour in every panel."""
+    labels = sorted({label for lines in curves.values() for label in lines})
+    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    fig, axes = plt.subplots(1, len(curves), figsize=(6.5 * len(curves), 4.8), squeeze=False)
+    for ax, (fingerprint, lines) in zip(axes[0], sorted(curves.items())):
+        edges = set()
+        for label, seeds in sorted(lines.items()):
+            x = bucket_centres(seeds[0]["edges"])
+            by_bucket = list(zip(*(s["values"] for s in seeds)))
+            seeds_note = f", {len(seeds)} seeds" if len(seeds) > 1 else ""
+            ax.plot(x, [statistics.mean(v) for v in by_bucket], marker="o", color=colours[label],
+                    label=label + seeds_note)
+            if len(seeds) > 1:
+                ax.fill_between(x, [min(v) for v in by_bucket], [max(v) for v in by_bucket], color=colours[label],
+                                alpha=0.2, linewidth=0)
+            edges.update(seeds[0]["edges"][1:])
+        ax.set_xscale("log")
+        ax.set_xlim(1, max(edges))
+        ticks = [1, *sorted(edges)]  # a log axis has no 0: position 0 is drawn at 1
+        ax.set_xticks(ticks, ["0", *map(str, ticks[1:])])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("position in the sequence (a point per bucket, between its edges)")
+        ax.set_ylabel("val_bpc (lower is better)")
+        ax.set_title(f"loss by position (mean over seeds, their range shaded), data {fingerprint}", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def position_plot(curves: dict[str, dict[str, list[dict]]], out_dir: Path) -> list[Path]:
+    """bpc_by_position.png of position_curves' lines when there are any (language models), else nothing."""
+    if not curves:
+        return []
+    plt = _pyplot()
+    fig = loss_by_position(plt, curves)
+    path = out_dir / "bpc_by_position.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -31,6 +31,9 @@ def test_a_few_steps_write_every_file_of_the_run_directory(tmp_path):
     for key in ("val_loss", "val_bpc", "tokens_per_s", "peak_mem_mb", "params", "wall_s", "mfu", "data_fingerprint"):
         assert summary[key], key
     assert "=== generated" in (run / "samples/step_0000006.txt").read_text()
+    # loss by position at every validation; the summary holds the last
+    assert all(r["val_bpc_by_position"]["edges"] == [0, 16, 32] for r in val_rows)
+    assert summary["val_bpc_by_position"] == val_rows[-1]["val_bpc_by_position"]
 
 
 @pytest.mark.slow

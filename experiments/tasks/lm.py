@@ -1,4 +1,5 @@
-"""task=lm: next-byte prediction, validation loss and bits per byte, text samples.
+"""task=lm: next-byte prediction, validation loss and bits per byte (also by position in the sequence:
+experiments/tasks/positions.py), text samples.
 
 It trains one model, or several on the same batches (a speculative-decoding pair, see
 experiments/tasks/speculative.py); the loop (experiments/tasks/loop.py) drives it.
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from experiments.data.draws import step_generator
 from experiments.runtime.errors import UserError
+from experiments.tasks.positions import PositionLoss
 from experiments.tasks.task import Member, Task
 from models.sampling import generate
 from models.transformer import IGNORE, TransformerLM
@@ -72,17 +74,22 @@ class LanguageModelTask(Task):
         beyond = torch.arange(n, device=targets.device)[None, :] >= lengths.to(targets.device)
         return targets.masked_fill(beyond, IGNORE)
 
-    def validation_metrics(self, member: Member) -> dict[str, float]:
+    def validation_metrics(self, member: Member) -> dict:
         tr, backend = self.ctx.trainer, self.ctx.backend
-        losses = []
+        losses, by_position = [], PositionLoss(self.ctx.data.seq_len)
         # the global batches of every rank together, shared out by rows as in training
         for batch in self.ctx.data.val_batches(tr.val_batches, tr.batch_size * backend.world_size):
             batch = self.val_shard(batch).to(backend.device)
             with backend.autocast():
                 logits = member.model(batch[:, :-1])
-            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).item())
+            # F.cross_entropy's own steps, so that the mean is its value to the bit
+            log_probs = F.log_softmax(logits.flatten(0, 1).float(), dim=-1)
+            targets = batch[:, 1:].flatten()
+            losses.append(F.nll_loss(log_probs, targets).item())
+            by_position.add(F.nll_loss(log_probs, targets, reduction="none").view(batch.shape[0], -1))
         val_loss = backend.all_reduce_mean(sum(losses) / len(losses))
-        return {"val_loss": val_loss, "val_bpc": val_loss / math.log(2)}
+        return {"val_loss": val_loss, "val_bpc": val_loss / math.log(2),
+                "val_bpc_by_position": by_position.buckets(backend.all_reduce_mean)}
 
     @torch.no_grad()
     def sample(self, step: int) -> None:

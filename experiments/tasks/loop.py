@@ -20,6 +20,7 @@ from tqdm import tqdm
 from experiments.runtime import checkpoint
 from experiments.runtime.errors import TrainingError, UserError
 from experiments.runtime.throughput import device_name, matmul_peak_flops
+from experiments.tasks import positions
 from experiments.tasks.task import Context, Member, Task
 
 log = logging.getLogger(__name__)
@@ -186,17 +187,18 @@ class Loop:
         for m in active:
             m.model.eval()
             metrics = self.task.validation_metrics(m)
-            row.update({f"{m.prefix}{k}": round(v, 5) for k, v in metrics.items()})
+            figures = {f"{m.prefix}{k}": _rounded(v) for k, v in metrics.items()}
+            row.update(figures)
             best = min(self.run.summary.get(f"{m.prefix}best_val_loss", float("inf")), metrics["val_loss"])
-            self.run.update_summary(**{f"{m.prefix}{k}": round(v, 5) for k, v in metrics.items()},
-                                    **{f"{m.prefix}best_val_loss": round(best, 5)})
+            self.run.update_summary(**figures, **{f"{m.prefix}best_val_loss": round(best, 5)})
             if "val_bpc" in metrics:
                 self.run.update_summary(**{f"{m.prefix}best_val_bpc": round(best / math.log(2), 5)})
         row["wall_s"] = round(self.run.wall_s(), 2)
         self.run.update_summary(step=step)
         self.run.log_metrics(row)
-        self.tracker.log(row, step)
-        log.info("step %d | %s", step, " | ".join(f"{k} {v:.4f}" for k, v in row.items() if "val_" in k))
+        self.tracker.log(positions.scalars(row), step)
+        log.info("step %d | %s", step, " | ".join(f"{k} {v:.4f}" for k, v in row.items()
+                                                  if "val_" in k and not positions.is_figure(v)))
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
@@ -309,6 +311,13 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _rounded(value):
+    """A validation figure to 5 decimals: a number, or each number of a by-position figure."""
+    if positions.is_figure(value):
+        return {"edges": value["edges"], "values": [round(v, 5) for v in value["values"]]}
+    return round(value, 5)
 
 
 def _comparable(section, key: str):

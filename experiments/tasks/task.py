@@ -7,7 +7,8 @@ it). Each is a member of the loop, named by its prefix ("" for the model, "draft
     setup(nets)                   -> the models by prefix, checked against the data (before any work)
     micro_batch(step, micro)      -> the batch of one micro-step, on the device
     loss(member, batch)           -> (loss, {extra figures}) of one member on it
-    validation_metrics(member)    -> {"val_loss": ..., ...} (unprefixed)
+    validation_metrics(member)    -> {"val_loss": ..., ...} (unprefixed): numbers, or by-position figures
+                                     (experiments/tasks/positions.py)
     sample(step)                  -> write samples/ and log them
     tokens_per_sample(prefix)     -> what tokens/s counts while that member trains
     flops_per_token(prefix, net, seq_len)  -> counted training FLOPs per such token (MFU)

@@ -37,14 +37,15 @@ def test_table_markdown_and_real_pngs(sweep):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:4] == ["run", "status", "step", "best"]
-    ranked = [line for line in lines if line.startswith("model.kv_heads=1 ")]
+    ranked = [line for line in lines if line.startswith("model.kv_heads=1 trainer.seed=")]
     assert len(ranked) == 2 and all("completed" in line for line in ranked)
     assert any(line.startswith("model.kv_heads=3 ") and "failed" in line for line in lines)
     assert "multiple of kv_heads" in out.stdout  # the failure's first line
     assert "over 2 seeds" in out.stdout  # mean and spread over seeds
     report = (sweep / "review.md").read_text()
     assert "| run | status |" in report and "![val_curves](val_curves.png)" in report
-    for name in ("val_curves.png", "quality_vs_speed.png"):
+    assert "val_bpc [16,32)" in lines[0]  # the last bucket of loss by position, beside val_bpc
+    for name in ("val_curves.png", "quality_vs_speed.png", "bpc_by_position.png"):
         image = imread(sweep / name)
         assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 500
         assert image[..., :3].std() > 0.01, f"{name} is blank"
@@ -61,7 +62,7 @@ def test_rows_sorted_by_the_metric(sweep):
 def test_csv_and_sort_by_speed(sweep):
     out = review(sweep, "--format", "csv", "--sort", "tokens_per_s", "--no-plots")
     header, *rows = out.stdout.strip().splitlines()
-    assert header.startswith("run,status,step,best,final,tokens_per_s")
+    assert header.startswith("run,status,step,best,final,last_bucket,tokens_per_s")
     assert len(rows) == 4
 
 
@@ -173,3 +174,68 @@ def test_recall_by_width_keeps_each_attentions_style_in_every_panel():
     assert len({next(iter(c))[0] for c in colours.values()}) == 3  # and no two attentions share a colour
     assert len({next(iter(c))[1] for c in colours.values()}) == 3  # nor a marker (coinciding lines stay apart)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["nsa", "routing", "transformer"]
+
+
+def _lm_run(root: Path, name: str, model: str, seed: int, by_position=None, draft=None) -> None:
+    """A language-model run directory; by_position: its final val_bpc per bucket of [0, 16, 64, 256]."""
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text(f"- model={model}\n- trainer.seed={seed}\n")
+    figures = {"val_loss": 1.0, "val_bpc": 1.4427}
+    for key, values in (("val_bpc_by_position", by_position), ("draft_val_bpc_by_position", draft)):
+        if values is not None:
+            figures[key] = {"edges": [0, 16, 64, 256], "values": values}
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 10, **figures}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "step": 10, "model": model, "task": "lm",
+                                                  "data_fingerprint": "text-256", **figures}))
+
+
+def _position_sweep(root: Path) -> Path:
+    _lm_run(root, "nsa-0", "nsa", 0, [3.0, 2.0, 1.6])
+    _lm_run(root, "nsa-1", "nsa", 1, [3.2, 2.2, 1.8])
+    _lm_run(root, "dense-0", "transformer", 0, [3.0, 2.0, 1.2], draft=[3.5, 3.0, 2.5])  # a speculative pair
+    _lm_run(root, "older", "sinkhorn", 0)  # written before loss by position: reviewed all the same
+    return root
+
+
+def test_loss_by_position_is_a_column_beside_val_bpc_and_a_plot(tmp_path, capsys):
+    sweep = _position_sweep(tmp_path / "sweep")
+    assert main([str(sweep), "--format", "csv", "--no-plots"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [dict(zip(out[0].split(","), line.split(","))) for line in out[1:]]
+    assert out[0].startswith("run,status,step,best,final,last_bucket,tokens_per_s")
+    assert {r["run"]: r["last_bucket"] for r in rows} == {
+        "model=nsa trainer.seed=0": "1.6", "model=nsa trainer.seed=1": "1.8",
+        "model=transformer trainer.seed=0": "1.2", "model=sinkhorn trainer.seed=0": ""}
+    assert main([str(sweep)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "final val_bpc  val_bpc [64,256)  tokens/s" in out[0]  # the last bucket's range names the column
+    # and every bucket, a row per configuration and member, the mean over seeds
+    table = out[out.index("final val_bpc by position, data text-256") + 2:]
+    assert table[0].split() == ["run", "[0,16)", "[16,64)", "[64,256)"]
+    assert [row.split() for row in table[2:5]] == [
+        ["model=nsa", "(mean", "of", "2", "seeds)", "3.1000", "2.1000", "1.7000"],
+        ["model=transformer", "3.0000", "2.0000", "1.2000"],
+        ["model=transformer", "(draft)", "3.5000", "3.0000", "2.5000"]]
+    image = imread(sweep / "bpc_by_position.png")
+    assert image.ndim == 3 and image[..., :3].std() > 0.01
+    assert "![bpc_by_position](bpc_by_position.png)" in (sweep / "review.md").read_text()
+
+
+def test_loss_by_position_draws_a_line_per_configuration_and_member(tmp_path):
+    from experiments.review import configuration
+    from experiments.review_plots import _pyplot, loss_by_position, position_curves
+
+    curves = position_curves(find_runs([_position_sweep(tmp_path)]), configuration)
+    assert sorted(curves["text-256"]) == ["model=nsa", "model=transformer", "model=transformer (draft)"]
+    plt = _pyplot()
+    fig = loss_by_position(plt, curves)
+    (ax,) = fig.axes
+    lines = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines()}
+    assert lines["model=nsa, 2 seeds"] == pytest.approx([3.1, 2.1, 1.7])  # the mean over seeds
+    assert lines["model=transformer (draft)"] == [3.5, 3.0, 2.5]
+    (band,) = ax.collections  # the two nsa seeds' range; one seed draws none
+    assert band.get_paths()[0].vertices[:, 1].min() == pytest.approx(1.6)
+    assert band.get_paths()[0].vertices[:, 1].max() == pytest.approx(3.2)
+    assert ax.get_xscale() == "log"
+    plt.close(fig)

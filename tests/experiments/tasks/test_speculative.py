@@ -91,6 +91,9 @@ def test_speculative_task_trains_both_and_times_both_decoders(tmp_path):
                 "base_tokens_per_s", "spec_tokens_per_s", "accepted_per_step"):
         assert summary[key] is not None, key
     assert summary["same_output"] is True  # greedy by default: the same tokens
+    # loss by position for each member, the draft's under its own prefix
+    by_target, by_draft = summary["val_bpc_by_position"], summary["draft_val_bpc_by_position"]
+    assert by_target["edges"] == by_draft["edges"] == [0, 16, 32] and by_target["values"] != by_draft["values"]
     rows = read_metrics(run)
     assert all("draft_loss" in r and r["draft_distill_kl"] >= 0 for r in rows if "loss" in r)
     sample = (run / "samples" / "step_0000004.txt").read_text()
