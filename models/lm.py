@@ -9,6 +9,8 @@ to the backbone unchanged.
 from functools import partial
 
 from models.attention.dense import DenseAttention
+from models.attention.dsa import DeepSeekSparseAttention
+from models.attention.moba import MixtureOfBlockAttention
 from models.attention.nsa import BRANCH_NAMES, NativeSparseAttention
 from models.attention.routing import RoutingAttention
 from models.attention.sinkhorn import SinkhornAttention
@@ -98,6 +100,48 @@ def routing_lm(
         dim=backbone["dim"], heads=heads, dim_head=dim_head, window_size=window_size,
         num_clusters=num_clusters, n_local_attn_heads=next(local_heads), ema_decay=ema_decay,
         commitment_weight=commitment_weight, dropout=attn_dropout,
+    )
+    return TransformerLM(attention=attention, **backbone)
+
+
+def moba_lm(
+    *,
+    heads: int,
+    dim_head: int,
+    kv_heads: int,
+    block_size: int,
+    top_k: int,
+    include_own_block: bool = True,
+    kernel="auto",
+    attn_dropout: float = 0.0,
+    **backbone,
+) -> TransformerLM:
+    attention = partial(
+        MixtureOfBlockAttention, dim=backbone["dim"], heads=heads, dim_head=dim_head, kv_heads=kv_heads,
+        block_size=block_size, top_k=top_k, include_own_block=include_own_block, dropout=attn_dropout,
+        kernel=getattr(kernel, "value", kernel),
+    )
+    return TransformerLM(attention=attention, **backbone)
+
+
+def dsa_lm(
+    *,
+    heads: int,
+    dim_head: int,
+    kv_heads: int,
+    index_heads: int,
+    index_dim_head: int,
+    top_k: int,
+    warmup_steps: int,
+    kl_weight: float,
+    kernel="auto",
+    attn_dropout: float = 0.0,
+    **backbone,
+) -> TransformerLM:
+    attention = partial(
+        DeepSeekSparseAttention, dim=backbone["dim"], heads=heads, dim_head=dim_head, kv_heads=kv_heads,
+        index_heads=index_heads, index_dim_head=index_dim_head, top_k=top_k, warmup_steps=warmup_steps,
+        kl_weight=kl_weight, dropout=attn_dropout, kernel=getattr(kernel, "value", kernel),
     )
     return TransformerLM(attention=attention, **backbone)
 
