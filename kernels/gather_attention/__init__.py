@@ -28,11 +28,12 @@ def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: in
     A key after the query's own position is masked even where an index names it. A query with no
     visible key gets zeros and a log-sum-exp of -inf (never NaN).
 
-    kernel: "torch" (reference.py), "triton" (triton.py), or "auto" (Triton on CUDA, the reference
-    elsewhere).
+    kernel: "torch" (reference.py), "triton" (triton.py), or "auto" (Triton on CUDA where the shapes
+    suit it, the reference elsewhere).
     """
     if kernel == "auto":
-        kernel = "triton" if q.is_cuda else "torch"
+        group, dim = q.shape[2], q.shape[3]
+        kernel = "triton" if q.is_cuda and dim <= 256 and not dim & (dim - 1) and group <= 64 else "torch"
     if kernel == "triton":
         from kernels.gather_attention.triton import TritonGatherAttention
 
