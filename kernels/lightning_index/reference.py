@@ -15,10 +15,10 @@ def ranking_keys(scores: Tensor) -> Tensor:
     position, the later key first: (the score's fp32 bits as an ordered integer) * 2^32 + position.
     One exact order for every path, so that decoding keeps the keys the parallel pass keeps even
     where scores tie (ReLU gives many exact zeros)."""
-    bits = scores.float().view(torch.int32).long()
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, smaller key
-    ordered = ordered.masked_fill(ordered == -1, 0)  # -0.0 ranks as +0.0
-    return ordered * 2**32 + torch.arange(scores.shape[-1], device=scores.device)
+    bits = scores.float().view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+    ordered = ordered.masked_fill_(ordered == -1, 0)  # -0.0 ranks as +0.0
+    return (ordered.long() << 32) | torch.arange(scores.shape[-1], device=scores.device)
 
 
 def top_keys(keys: Tensor, positions: Tensor, top_k: int) -> Tensor:
