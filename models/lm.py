@@ -104,45 +104,25 @@ def routing_lm(
     return TransformerLM(attention=attention, **backbone)
 
 
-def moba_lm(
-    *,
-    heads: int,
-    dim_head: int,
-    kv_heads: int,
-    block_size: int,
-    top_k: int,
-    include_own_block: bool = True,
-    kernel="auto",
-    attn_dropout: float = 0.0,
-    **backbone,
-) -> TransformerLM:
-    attention = partial(
-        MixtureOfBlockAttention, dim=backbone["dim"], heads=heads, dim_head=dim_head, kv_heads=kv_heads,
-        block_size=block_size, top_k=top_k, include_own_block=include_own_block, dropout=attn_dropout,
-        kernel=getattr(kernel, "value", kernel),
-    )
-    return TransformerLM(attention=attention, **backbone)
+def moba_lm(*, kernel="auto", attn_dropout: float = 0.0, **knobs) -> TransformerLM:
+    """MoBA's knobs (heads, dim_head, kv_heads, block_size, top_k, include_own_block) beside the backbone's."""
+    return _with_attention(MixtureOfBlockAttention, kernel, attn_dropout, knobs)
 
 
-def dsa_lm(
-    *,
-    heads: int,
-    dim_head: int,
-    kv_heads: int,
-    index_heads: int,
-    index_dim_head: int,
-    top_k: int,
-    warmup_steps: int,
-    kl_weight: float,
-    kernel="auto",
-    attn_dropout: float = 0.0,
-    **backbone,
-) -> TransformerLM:
-    attention = partial(
-        DeepSeekSparseAttention, dim=backbone["dim"], heads=heads, dim_head=dim_head, kv_heads=kv_heads,
-        index_heads=index_heads, index_dim_head=index_dim_head, top_k=top_k, warmup_steps=warmup_steps,
-        kl_weight=kl_weight, dropout=attn_dropout, kernel=getattr(kernel, "value", kernel),
-    )
+def dsa_lm(*, kernel="auto", attn_dropout: float = 0.0, **knobs) -> TransformerLM:
+    """DSA's knobs (heads, dim_head, kv_heads, index_heads, index_dim_head, top_k, warmup_steps,
+    kl_weight) beside the backbone's."""
+    return _with_attention(DeepSeekSparseAttention, kernel, attn_dropout, knobs)
+
+
+_BACKBONE = ("num_tokens", "dim", "depth", "ff_mult", "ff_dropout", "ff_chunks", "emb_dim", "reversible")
+
+
+def _with_attention(attention_class, kernel, attn_dropout: float, knobs: dict) -> TransformerLM:
+    """The backbone with `attention_class` in every layer, built from every knob that is not the backbone's."""
+    backbone = {key: knobs.pop(key) for key in _BACKBONE if key in knobs}
+    attention = partial(attention_class, dim=backbone["dim"], dropout=attn_dropout,
+                        kernel=getattr(kernel, "value", kernel), **knobs)
     return TransformerLM(attention=attention, **backbone)
 
 

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from kernels import at_least_fp32, triton_runnable
-from kernels.compressed_attention import triton_dim_supported
+from kernels import at_least_fp32
 from kernels.gather_attention import gather_attention, gathered_probabilities
 from kernels.lightning_index import index_topk
 from models.attention import cache as kv_cache
+from models.attention.knobs import check_at_least_1, check_gqa, check_kernel, check_no_dropout
 from models.recompute import recomputed
 from models.rotary import Rotary
 
@@ -201,11 +201,8 @@ class DeepSeekSparseAttention(nn.Module):
 def _check(heads, kv_heads, dim_head, index_heads, index_dim_head, top_k, warmup_steps, kl_weight, dropout,
            kernel) -> None:
     """Reject knob combinations DSA cannot run, saying how to fix them."""
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads} (GQA groups): change model.kv_heads")
-    for name, value in (("index_heads", index_heads), ("index_dim_head", index_dim_head), ("top_k", top_k)):
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1: set model.{name}")
+    check_gqa(heads, kv_heads)
+    check_at_least_1(index_heads=index_heads, index_dim_head=index_dim_head, top_k=top_k)
     if index_dim_head % 2:
         raise ValueError(f"index_dim_head={index_dim_head} must be even (the indexer's rotary positions pair its "
                          "channels): set model.index_dim_head")
@@ -215,14 +212,5 @@ def _check(heads, kv_heads, dim_head, index_heads, index_dim_head, top_k, warmup
     if warmup_steps and not kl_weight:
         raise ValueError(f"warmup_steps={warmup_steps} trains the indexer by its KL alone, and kl_weight=0 turns "
                          "that off: set model.kl_weight > 0, or model.warmup_steps=0")
-    if dropout:
-        raise ValueError(f"attn_dropout={dropout}: DSA's gather kernels have no attention dropout; "
-                         "set model.attn_dropout=0")
-    if kernel == "cpu":
-        raise ValueError("kernel=cpu: DSA has no C kernel; use model.kernel=auto, torch or triton")
-    if kernel == "triton" and not (triton_dim_supported(dim_head) and triton_dim_supported(index_dim_head)):
-        raise ValueError(f"kernel=triton needs dim_head and index_dim_head powers of two from 16 to 256, not "
-                         f"{dim_head} and {index_dim_head}: change them, or use model.kernel=auto or torch")
-    if kernel == "triton" and not triton_runnable():
-        raise ValueError("kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 to run the kernel slowly "
-                         "on the CPU): use model.kernel=auto or torch")
+    check_no_dropout(dropout, "DSA's gather kernels")
+    check_kernel(kernel, "DSA", None, dim_head=dim_head, index_dim_head=index_dim_head)

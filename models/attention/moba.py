@@ -29,11 +29,11 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from kernels import at_least_fp32, triton_runnable
+from kernels import at_least_fp32
 from kernels import span_attention as spans
-from kernels.compressed_attention import triton_dim_supported
 from kernels.selected_attention import selected_attention
 from models.attention import cache as kv_cache
+from models.attention.knobs import check_at_least_1, check_gqa, check_kernel, check_no_dropout
 from models.rotary import Rotary
 
 _GATE_CHUNK = 1 << 22  # gate scores (query, block) per chunk of queries
@@ -187,20 +187,7 @@ def block_means(k: Tensor, block: int) -> Tensor:
 
 def _check(heads, kv_heads, dim_head, block_size, top_k, dropout, kernel) -> None:
     """Reject knob combinations MoBA cannot run, saying how to fix them."""
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads} (GQA groups): change model.kv_heads")
-    for name, value in (("block_size", block_size), ("top_k", top_k)):
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1: set model.{name}")
-    if dropout:
-        raise ValueError(f"attn_dropout={dropout}: MoBA's block kernels have no attention dropout; "
-                         "set model.attn_dropout=0")
-    if kernel == "cpu" and not spans.available():
-        raise ValueError("kernel=cpu needs a working C compiler (cc or $CC) to build the span-attention kernel: "
-                         "install gcc, or use model.kernel=auto or torch")
-    if kernel == "triton" and not triton_dim_supported(dim_head):
-        raise ValueError(f"kernel=triton needs dim_head a power of two from 16 to 256, not {dim_head}: "
-                         "change model.dim_head, or use model.kernel=auto or torch")
-    if kernel == "triton" and not triton_runnable():
-        raise ValueError("kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 to run the kernel slowly "
-                         "on the CPU): use model.kernel=auto or torch")
+    check_gqa(heads, kv_heads)
+    check_at_least_1(block_size=block_size, top_k=top_k)
+    check_no_dropout(dropout, "MoBA's block kernels")
+    check_kernel(kernel, "MoBA", spans.available(), dim_head=dim_head)
