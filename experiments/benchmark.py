@@ -14,7 +14,8 @@ overhead, and each model's speed as a ratio to the dense transformer measured in
 
 Models are composed from conf/ exactly as train.py composes them (bench config: vocab 256,
 dim 256, depth 4, heads 4, dim_head 64; each attention adds its conf/model/<name>.yaml knobs;
-routing gets seq / window_size clusters, as the reference package derives them), fp32. Each
+routing gets seq / window_size clusters, as the reference package derives them; dsa is measured in
+its sparse stage, warmup_steps=0), fp32. Each
 measurement runs in a fresh process so that its peak memory is its own, with the C allocator set
 as train.py sets it (trainer.cpu_allocator; `--override trainer.cpu_allocator=system` for glibc's
 defaults). That peak is resident memory, which also holds what the allocator keeps after a free
@@ -52,6 +53,8 @@ def bench_overrides(model_name: str, seq: int) -> list[str]:
     overrides = [f"model={model_name}", f"data.seq_len={seq}", *BENCH]
     if model_name == "routing":
         overrides.append(f"model.num_clusters={max(1, seq // 64)}")
+    if model_name == "dsa":  # its sparse stage: a fresh model would attend densely for warmup_steps
+        overrides.append("model.warmup_steps=0")
     return overrides
 
 

@@ -9,6 +9,8 @@ to the backbone unchanged.
 from functools import partial
 
 from models.attention.dense import DenseAttention
+from models.attention.dsa import DeepSeekSparseAttention
+from models.attention.moba import MixtureOfBlockAttention
 from models.attention.nsa import BRANCH_NAMES, NativeSparseAttention
 from models.attention.routing import RoutingAttention
 from models.attention.sinkhorn import SinkhornAttention
@@ -99,6 +101,28 @@ def routing_lm(
         num_clusters=num_clusters, n_local_attn_heads=next(local_heads), ema_decay=ema_decay,
         commitment_weight=commitment_weight, dropout=attn_dropout,
     )
+    return TransformerLM(attention=attention, **backbone)
+
+
+def moba_lm(*, kernel="auto", attn_dropout: float = 0.0, **knobs) -> TransformerLM:
+    """MoBA's knobs (heads, dim_head, kv_heads, block_size, top_k, include_own_block) beside the backbone's."""
+    return _with_attention(MixtureOfBlockAttention, kernel, attn_dropout, knobs)
+
+
+def dsa_lm(*, kernel="auto", attn_dropout: float = 0.0, **knobs) -> TransformerLM:
+    """DSA's knobs (heads, dim_head, kv_heads, index_heads, index_dim_head, top_k, warmup_steps,
+    kl_weight) beside the backbone's."""
+    return _with_attention(DeepSeekSparseAttention, kernel, attn_dropout, knobs)
+
+
+_BACKBONE = ("num_tokens", "dim", "depth", "ff_mult", "ff_dropout", "ff_chunks", "emb_dim", "reversible")
+
+
+def _with_attention(attention_class, kernel, attn_dropout: float, knobs: dict) -> TransformerLM:
+    """The backbone with `attention_class` in every layer, built from every knob that is not the backbone's."""
+    backbone = {key: knobs.pop(key) for key in _BACKBONE if key in knobs}
+    attention = partial(attention_class, dim=backbone["dim"], dropout=attn_dropout,
+                        kernel=getattr(kernel, "value", kernel), **knobs)
     return TransformerLM(attention=attention, **backbone)
 
 

@@ -41,6 +41,10 @@ CONFIG_CASES = [
     (["model=sinkhorn", "model.bucket_size=0"], "model.bucket_size=0 must be at least 1"),
     (["model=routing", "model.n_local_attn_heads=-1"], "model.n_local_attn_heads=-1 must be an int >= 0"),
     (["model=routing", "model.ema_decay=1.0"], "model.ema_decay=1.0 must lie in [0, 1)"),
+    (["model=moba", "model.top_k=0"], "model.top_k=0 must be at least 1"),
+    (["model=moba", "model.block_size=0"], "model.block_size=0 must be at least 1"),
+    (["model=dsa", "model.index_dim_head=0"], "model.index_dim_head=0 must be at least 1"),
+    (["model=dsa", "model.kl_weight=-1"], "model.kl_weight=-1.0 must be 0 or more"),
     (["data.seq_len=0"], "data.seq_len=0 must be at least 1"),
     (["data.val_fraction=1.0"], "data.val_fraction=1.0 must lie strictly between 0 and 1"),
     (["task.top_k=0"], "task.top_k=0 must be at least 1, or null"),
@@ -84,7 +88,8 @@ def test_every_problem_of_a_config_is_named_at_once(compose):
 
 def test_the_shipped_options_and_presets_pass(compose):
     presets = [[f"experiment={p.stem}"] for p in sorted((ROOT / "conf" / "experiment").glob("*.yaml"))]
-    for overrides in ([], ["model=sinkhorn"], ["model=routing"], ["backend=deepspeed"], ["schedule=plateau"], *presets):
+    for overrides in ([], ["model=sinkhorn"], ["model=routing"], ["model=moba"], ["model=dsa"], ["backend=deepspeed"],
+                      ["schedule=plateau"], *presets):
         check_config(compose(*overrides))
 
 

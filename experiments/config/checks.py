@@ -28,6 +28,7 @@ _AT_LEAST_1 = {
     "text_seq_len", "kernel_size", "prime_length", "generate_length", "num_samples", "gamma", "window",
     "total_steps", "train_bytes", "val_bytes", "max_steps", "batch_size", "grad_accum", "val_batches", "log_every",
     "keep_checkpoints", "vocab_size", "num_kv_pairs", "digits", "depth_bins", "curriculum_seq_len",
+    "block_size", "index_heads", "index_dim_head",
     "count",  # no config key: what a tool's counting flag (--steps, --repeat, ...) stands for in flag_error
 }
 _AT_LEAST_0 = {
@@ -40,14 +41,17 @@ _POSITIVE = {"lr", "eps", "ff_mult", "compress_hidden_mult", "vae_lr", "timeout_
 _FRACTION = {"attn_dropout", "ff_dropout", "cond_drop_prob", "filter_thres", "ema_decay"}  # [0, 1)
 _OPEN_FRACTION = {"val_fraction", "factor"}  # (0, 1)
 _OPTIONAL_AT_LEAST_1 = {"top_k": "the full distribution", "emb_dim": "dim", "threads": "torch's default"}
+_MODEL_SECTIONS = ("model", "draft")  # where top_k is what a sparse attention keeps (MoBA, DSA), not sampling's
 
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _rule(key: str, value) -> Optional[str]:
-    """What is wrong with `value` for `key` (None: nothing, or no rule for the key)."""
+def _rule(key: str, value, section: Optional[str] = None) -> Optional[str]:
+    """What is wrong with `value` for `key` of `section` (None: nothing, or no rule for the key)."""
+    if key == "top_k" and section in _MODEL_SECTIONS:
+        return None if _number(value) and value >= 1 else "must be at least 1"
     if key in _OPTIONAL_AT_LEAST_1:
         return None if value is None or (_number(value) and value >= 1) else \
             f"must be at least 1, or null for {_OPTIONAL_AT_LEAST_1[key]}"
@@ -126,7 +130,7 @@ def _out_of_range(cfg: DictConfig) -> list[str]:
                 continue
             value = section[key]
             value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else getattr(value, "value", value)
-            if (what := _rule(key, value)) is not None:
+            if (what := _rule(key, value, name)) is not None:
                 problems.append(f"{name}.{key}={value} {what}")
     return problems
 

@@ -155,6 +155,28 @@ class RoutingConfig(TransformerConfig):
 
 
 @dataclass
+class MoBAConfig(TransformerConfig):
+    _target_: str = "models.lm.moba_lm"
+    kv_heads: int = MISSING
+    block_size: int = MISSING  # keys per block: the unit the gate chooses
+    top_k: int = MISSING  # blocks per query, its own block counted
+    include_own_block: bool = MISSING  # the query's own block always attended (causally), as the paper
+    kernel: Kernel = MISSING
+
+
+@dataclass
+class DSAConfig(TransformerConfig):
+    _target_: str = "models.lm.dsa_lm"
+    kv_heads: int = MISSING
+    index_heads: int = MISSING  # the lightning indexer's heads
+    index_dim_head: int = MISSING  # their width (one indexer key per token)
+    top_k: int = MISSING  # tokens each query attends to
+    warmup_steps: int = MISSING  # optimizer steps of dense attention while the indexer learns to match it
+    kl_weight: float = MISSING  # of the indexer's KL loss (it trains the indexer alone)
+    kernel: Kernel = MISSING
+
+
+@dataclass
 class DiscreteVAEConfig:
     _target_: str = "models.dvae.DiscreteVAE"
     image_size: int = MISSING
@@ -418,7 +440,8 @@ class DalleTaskConfig:
 # every option of every group: conf/<group>/<name>.yaml starts from SCHEMAS[group][name]
 SCHEMAS = {
     "model": {"transformer": TransformerConfig, "nsa": NSAConfig, "sinkhorn": SinkhornConfig,
-              "routing": RoutingConfig, "dvae": DiscreteVAEConfig, "dalle": DalleConfig},
+              "routing": RoutingConfig, "moba": MoBAConfig, "dsa": DSAConfig, "dvae": DiscreteVAEConfig,
+              "dalle": DalleConfig},
     "data": {"text": TextDataConfig, "stdlib": StdlibDataConfig, "enwik8": Enwik8DataConfig,
              "shapes": ShapesDataConfig, "image_folder": ImageFolderDataConfig, "mqar": MQARDataConfig,
              "passkey": PasskeyDataConfig},

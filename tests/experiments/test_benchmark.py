@@ -38,3 +38,11 @@ def test_a_gpu_measurement_runs_on_the_device_and_reads_its_memory(model):
     row = benchmark.measure(model, seq=256, batch=2, steps=1, threads=1, extra=TINY, precision="bf16", device="cuda")
     assert row["device"] == "cuda" and row["step_s"] > 0
     assert 0 < row["peak_mem_mb"] < 4096  # the device's tensors, not the process's resident memory
+
+
+def test_dsa_is_measured_in_its_sparse_stage():
+    """A fresh DSA attends densely for its warm-up; the benchmark measures the sparse stage."""
+    _, model, forward = benchmark.build("dsa", 64, 1, TINY)
+    assert not any(block.attn.warming_up for block in model.blocks)
+    logits, aux = forward(torch.randint(0, 256, (1, 64)))
+    assert logits.shape == (1, 64, 256) and aux > 0  # the indexer's KL over its chosen tokens

@@ -6,7 +6,7 @@ import torch
 
 from kernels import span_attention
 from models import recompute
-from models.lm import nsa_lm, routing_lm, sinkhorn_lm, transformer_lm
+from models.lm import dsa_lm, moba_lm, nsa_lm, routing_lm, sinkhorn_lm, transformer_lm
 
 KNOBS = dict(num_tokens=32, dim=32, heads=2, dim_head=16)
 MODELS = {
@@ -14,6 +14,11 @@ MODELS = {
     "sinkhorn": lambda depth, **kw: sinkhorn_lm(**KNOBS, depth=depth, bucket_size=4, n_local_attn_heads=1, **kw),
     "routing": lambda depth, **kw: routing_lm(**KNOBS, depth=depth, window_size=4, num_clusters=3, ema_decay=0.999,
                                               commitment_weight=0.1, **{"n_local_attn_heads": 0, **kw}),
+    # no attention dropout in their kernels; DSA sparse from the start, its indexer learning by its KL loss
+    "moba": lambda depth, **kw: moba_lm(**KNOBS, depth=depth, kv_heads=1, block_size=4, top_k=2, kernel="torch",
+                                        **{**kw, "attn_dropout": 0.0}),
+    "dsa": lambda depth, **kw: dsa_lm(**KNOBS, depth=depth, kv_heads=1, index_heads=2, index_dim_head=8, top_k=4,
+                                      warmup_steps=0, kl_weight=1.0, kernel="torch", **{**kw, "attn_dropout": 0.0}),
 }
 
 

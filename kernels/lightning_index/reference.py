@@ -1,0 +1,45 @@
+"""The lightning indexer's scoring and top-k in plain PyTorch, one chunk of queries at a time:
+each chunk scores the keys up to its last query and keeps its top-k, so no [seq, seq] tensor
+exists, only [chunk, seq] scores (the chunk sized to a fixed number of elements)."""
+
+import torch
+from torch import Tensor
+
+from kernels import at_least_fp32
+
+_CHUNK = 1 << 22  # scored (query, head, key) products per chunk
+
+
+def ranking_keys(scores: Tensor) -> Tensor:
+    """Scores [..., n] -> int64 keys [..., n] whose order is the scores' in fp32, ties broken by
+    position, the later key first: (the score's fp32 bits as an ordered integer) * 2^32 + position.
+    One exact order for every path, so that decoding keeps the keys the parallel pass keeps even
+    where scores tie (ReLU gives many exact zeros)."""
+    bits = scores.float().view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+    ordered = ordered.masked_fill_(ordered == -1, 0)  # -0.0 ranks as +0.0
+    return (ordered.long() << 32) | torch.arange(scores.shape[-1], device=scores.device)
+
+
+def top_keys(keys: Tensor, positions: Tensor, top_k: int) -> Tensor:
+    """The top_k ranking keys [b, c, n] of queries at positions [c], best first -> indices
+    [b, c, top_k], -1 where a slot holds a key after its query (a query with fewer keys)."""
+    indices = keys.topk(min(top_k, keys.shape[-1]), dim=-1).indices
+    indices = indices.masked_fill(indices > positions[:, None], -1)
+    return torch.nn.functional.pad(indices, (0, top_k - indices.shape[-1]), value=-1)
+
+
+def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int) -> Tensor:
+    """Shapes and meaning as kernels.lightning_index.index_topk."""
+    b, m, heads, d = q.shape
+    out = torch.empty(b, m, top_k, dtype=torch.long, device=q.device)
+    step = max(1, _CHUNK // (k.shape[1] * heads))
+    for c0 in range(0, m, step):
+        c1 = min(m, c0 + step)
+        visible = start + c1  # keys up to the chunk's last query
+        products = at_least_fp32(torch.bmm(q[:, c0:c1].reshape(b, -1, d), k[:, :visible].transpose(1, 2))).relu_()
+        scores = (at_least_fp32(w[:, c0:c1, :, None]) * products.view(b, c1 - c0, heads, visible)).sum(2)
+        positions = start + torch.arange(c0, c1, device=q.device)
+        scores = scores.masked_fill(torch.arange(visible, device=q.device) > positions[:, None], float("-inf"))
+        out[:, c0:c1] = top_keys(ranking_keys(scores), positions, top_k)
+    return out

@@ -1,0 +1,92 @@
+"""The Triton gather-attention kernel against the plain-torch reference: output, log-sum-exp and
+every gradient; its reverse index, and what it reports to kernels.counters. On a machine without
+CUDA the kernel runs in Triton's interpreter."""
+
+import pytest
+import torch
+
+from kernels import counters
+from kernels.gather_attention import gather_attention
+from kernels.gather_attention.naive import random_indices
+from kernels.gather_attention.triton import BLOCK_T, key_runs
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# tolerances against the fp32 reference on the same (rounded) inputs
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, top_k, dtype)
+    (2, 21, 21, 2, 8, 5, torch.float32),  # sums (dim_head < 16)
+    (1, 19, 19, 1, 32, 6, torch.float32),  # GQA ratio 1, tensor-core tiles
+    (1, 13, 13, 16, 16, 4, torch.float32),  # GQA ratio 16
+    (1, 7, 37, 4, 64, 9, torch.float32),  # decoding: queries at the end; several key tiles
+    (2, 35, 35, 2, 32, 20, torch.float16),  # two slot tiles a query; length not a multiple of the key tile
+    (1, 18, 18, 4, 32, 5, torch.bfloat16),  # bf16 (tiles on a GPU; sums in the interpreter)
+]
+
+
+@pytest.mark.parametrize("bh,m,n,g,d,top_k,dtype", CASES,
+                         ids=[f"BH{c[0]}-Q{c[1]}-K{c[2]}-G{c[3]}-D{c[4]}-top{c[5]}-{str(c[6])[6:]}" for c in CASES])
+def test_kernel_matches_the_reference(bh, m, n, g, d, top_k, dtype):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(bh, m, g, d, generator=gen).to(dtype)
+    k = torch.randn(bh, n, d, generator=gen).to(dtype)
+    v = torch.randn(bh, n, d, generator=gen).to(dtype)
+    indices = random_indices(bh, m, n - m, top_k, gen).to(DEVICE)
+    results = []
+    for kernel, tensors in (("torch", (q.float(), k.float(), v.float())), ("triton", (q, k, v))):
+        leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
+        out, lse = gather_attention(*leaves, indices, n - m, kernel)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, out.dtype)
+        grad_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, lse.dtype)
+        grads = torch.autograd.grad((out * grad_out).float().sum() + (lse * grad_lse).float().sum(), leaves)
+        results.append([out, lse, *grads])
+    tol = TOLERANCE[dtype]
+    for name, ref, ours in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), rtol=tol, atol=tol, msg=f"{name} differs")
+
+
+def test_reverse_index_lists_each_query_once_per_key_tile_with_the_keys_it_chose():
+    gen = torch.Generator().manual_seed(4)
+    bh, m, n, top_k = 2, 40, 45, 6
+    indices = random_indices(bh, m, n - m, top_k, gen)
+    indices[0, 3, 1] = n - m + 10  # a key after its query: never listed
+    first, run_row, run_bits = key_runs(indices, n - m, n)
+    tiles = -(-n // BLOCK_T)
+    expected = {}
+    for b in range(bh):
+        for row in range(m):
+            for key in indices[b, row].tolist():
+                if 0 <= key <= n - m + row:
+                    slot = (b * tiles + key // BLOCK_T, row)
+                    expected[slot] = expected.get(slot, 0) | 1 << key % BLOCK_T
+    found = {}
+    for tile in range(bh * tiles):
+        for r in range(first[tile], first[tile + 1]):
+            assert (tile, int(run_row[r])) not in found
+            found[tile, int(run_row[r])] = int(run_bits[r])
+    assert found == expected and first[-1] == len(expected)
+
+
+def test_launches_report_their_tiles_and_the_pairs_they_need():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 24, 2, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 24, 16, generator=gen, requires_grad=True) for _ in range(2))
+    indices = random_indices(1, 24, 0, 4, gen)
+    needed = int((indices >= 0).sum()) * 2  # pairs per head of the group
+    with counters.recording() as launches:
+        out, _ = gather_attention(q, k, v, indices, 0, "triton")
+        out.sum().backward()
+    names = [launch.kernel for launch in launches]
+    assert names == ["gather_attention_forward", "gather_attention_backward_q", "gather_attention_backward_kv"]
+    for launch in launches:
+        assert launch.needed == needed and launch.visited >= needed
+    forward = launches[0]
+    assert forward.grid == (24, 1) and forward.visited == 24 * 16 * 16  # one tile of 16 slots, 16 rows (tl.dot)
+
+
+def test_unsupported_shapes_fail_with_the_constraint():
+    q = torch.randn(1, 4, 2, 48)  # dim_head 48 is not a power of two
+    k = v = torch.randn(1, 4, 48)
+    with pytest.raises(ValueError, match="dim_head=48 must be a power of two.*model.kernel=torch"):
+        gather_attention(q, k, v, torch.zeros(1, 4, 1, dtype=torch.long), 0, "triton")

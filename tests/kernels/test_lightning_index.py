@@ -1,0 +1,90 @@
+"""The lightning indexer's top-k: the chunked torch path and the Triton kernel (under
+TRITON_INTERPRET=1 on a CPU) against the definition, ties included, and no [seq, seq] tensor."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kernels.lightning_index import index_topk
+from kernels.lightning_index.naive import index_scores
+from kernels.lightning_index.naive import index_topk as naive
+
+CASES = [  # (batch, seq_q, start, heads, dim, top_k)
+    (2, 37, 0, 3, 16, 7),  # more keys than slots after the first queries
+    (1, 40, 0, 1, 16, 64),  # top_k above every query's keys: all of them
+    (2, 5, 30, 2, 32, 8),  # decoding: queries after a cache
+    (1, 1, 0, 2, 16, 4),
+]
+IDS = [f"B{c[0]}-Q{c[1]}-start{c[2]}-H{c[3]}-D{c[4]}-top{c[5]}" for c in CASES]
+
+
+def inputs(b, m, start, heads, d, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, m, heads, d, generator=gen, dtype=dtype), torch.randn(b, start + m, d, generator=gen,
+            dtype=dtype), torch.randn(b, m, heads, generator=gen, dtype=dtype))
+
+
+def test_the_definition_keeps_the_highest_scores_never_a_later_key():
+    q, k, w = inputs(1, 30, 0, 2, 16, dtype=torch.float64)
+    scores = index_scores(q, k, w, 0)
+    kept = naive(q, k, w, 0, 5)
+    for t in range(30):
+        chosen = kept[0, t][kept[0, t] >= 0]
+        assert len(chosen) == min(5, t + 1) and (chosen <= t).all()
+        assert scores[0, t, chosen].min() >= scores[0, t, : t + 1].topk(min(5, t + 1)).values.min()
+    q_j = torch.einsum("mjd,nd->mjn", q[0], k[0]).relu()
+    torch.testing.assert_close(scores[0, 29], (w[0, 29, :, None] * q_j[29]).sum(0))
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("b,m,start,heads,d,top_k", CASES, ids=IDS)
+def test_matches_the_definition(b, m, start, heads, d, top_k, kernel):
+    q, k, w = inputs(b, m, start, heads, d)
+    assert torch.equal(index_topk(q, k, w, start, top_k, kernel), naive(q, k, w, start, top_k))
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
+def test_ties_go_to_the_later_key_on_every_path(kernel):
+    """Negative weights give exact zeros (ReLU) for many keys: the later ones are kept."""
+    q, k, w = inputs(1, 24, 0, 2, 16)
+    w = -w.abs()  # every score <= 0, most of them exactly 0
+    kept = index_topk(q, k, w, 0, 4, kernel)
+    assert torch.equal(kept, naive(q, k, w, 0, 4))
+    scores = index_scores(q, k, w, 0)[0, 23]
+    zeros = (scores == 0).nonzero().flatten()
+    assert len(zeros) >= 4 and torch.equal(kept[0, 23].sort().values, zeros[-4:])
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements any operation's output holds, while open."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("kernel,n", [("torch", 4096), pytest.param("triton", 256, marks=pytest.mark.triton)])
+def test_no_tensor_holds_every_query_against_every_key(kernel, n, monkeypatch):
+    import kernels.lightning_index.triton as triton_path
+
+    monkeypatch.setattr(triton_path, "_CHUNK", n * n // 16)  # the Triton test runs at an interpreter's size
+    q, k, w = inputs(1, n, 0, 2, 16)
+    with LargestTensor() as mode:
+        index_topk(q, k, w, 0, 8, kernel)
+    assert mode.largest <= n * n // 2
+
+
+def test_chunks_do_not_change_the_choice(monkeypatch):
+    import kernels.lightning_index.reference as reference
+
+    q, k, w = inputs(2, 50, 3, 2, 16)
+    whole = index_topk(q, k, w, 3, 6)
+    monkeypatch.setattr(reference, "_CHUNK", 53 * 2)  # one query a chunk
+    assert torch.equal(index_topk(q, k, w, 3, 6), whole)
