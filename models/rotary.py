@@ -48,7 +48,11 @@ class Rotary(nn.Module):
         """(cos, sin) of each channel pair's angle at positions [0, end): [end, dim_head / 2, 2] fp32,
         for kernels that rotate as they read (kernels/span_attention/, kernels/nsa_attention/); the
         complex form's numbers (fp64 angles rounded once), kept real so torch.compile traces them,
-        computed once and grown by doubling."""
+        computed once and grown by doubling (in code torch.compile traces, computed in the graph: a
+        cached table would be a side effect of the graph and a guard on the next call)."""
+        if torch.compiler.is_compiling():
+            angles = torch.arange(end, device=device, dtype=torch.float64)[:, None] * self.inv_freq.to(device).double()
+            return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
         table = self._phase_table
         if table is None or table.shape[0] < end or table.device != torch.device(device):
             size = max(end, 2 * table.shape[0] if table is not None else 0, 256)
