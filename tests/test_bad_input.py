@@ -27,6 +27,7 @@ from tests.helpers.runs import ROOT, TINY_LM, read_metrics, read_summary, run_en
 
 CONFIG_CASES = [
     (["optimizer.lr=-1e-3"], "optimizer.lr=-0.001 must be positive"),
+    (["trainer.compile=fast"], "trainer.compile=fast must be false, default or reduce-overhead (true: default)"),
     (["optimizer.betas=[0.9]"], "optimizer.betas=[0.9] must be two numbers in [0, 1)"),
     (["optimizer.eps=0"], "optimizer.eps=0.0 must be positive"),
     (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1 must be 0 or more"),

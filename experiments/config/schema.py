@@ -77,7 +77,9 @@ class TrainerConfig:
     threads: Optional[int] = MISSING  # torch intra-op threads on CPU; null: torch's default
     cpu_allocator: CpuAllocator = MISSING  # freed memory: back to the system, kept on the heap, or pooled by size
     progress: bool = MISSING  # tqdm progress bar on stderr
-    compile: bool = MISSING  # torch.compile of each trained model's training forward
+    # torch.compile of each trained model's training forward: false | default | reduce-overhead (CUDA
+    # graphs, CUDA only); true means default. Any: a bool or a mode name, checked by experiments.config.checks
+    compile: Any = MISSING
     deterministic: bool = MISSING  # deterministic algorithms only: GPU runs repeat to the bit
 
 
