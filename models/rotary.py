@@ -87,3 +87,14 @@ class Rotary(nn.Module):
             cos, sin = (t[start : start + seq] for t in self._cos_sin(start + seq, x.device, x.dtype))
         swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         return x * cos + swapped * (-sin if inverse else sin)
+
+    def at(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate x [..., t, dim_head] whose positions are the tensor positions [t] (a static cache's
+        decoding step, where the position lives on the device): the real form, traceable and one
+        graph for every position. The angles are computed as the eager path computes them (fp64 for
+        fp32 and fp64 x, fp32 otherwise), so a step gives the logits the growing cache gives."""
+        wide = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+        angles = positions.to(wide)[:, None] * self.inv_freq.to(wide)
+        cos = angles.cos().repeat_interleave(2, dim=-1).to(x.dtype)
+        sin = torch.stack((-angles.sin(), angles.sin()), dim=-1).flatten(-2).to(x.dtype)
+        return x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin
