@@ -29,6 +29,23 @@ from models.speculative import SpeculativeStats
 from models.transformer import TransformerLM
 
 COMPILE_MODES = (None, "default", "reduce-overhead")
+# how a decoder runs (task.engine, --engine) -> the static engine's compile mode; "cache": no engine,
+# the growing cache (models/sampling.py generate, models/speculative.py), eager and any temperature
+ENGINES = {"cache": None, "static": None, "compiled": "default", "graphs": "reduce-overhead"}
+
+
+def choose_engine(name: str, device: torch.device, temperature: float) -> str:
+    """An engine of ENGINES for `name` (or "auto": CUDA graphs on CUDA for greedy decoding, the
+    growing cache otherwise); ValueError, in one line, for one that cannot serve."""
+    if name == "auto":
+        return "graphs" if device.type == "cuda" and temperature == 0 else "cache"
+    if name not in ENGINES:
+        raise ValueError(f"engine={name} must be auto or one of {', '.join(ENGINES)}")
+    if name != "cache" and temperature != 0:
+        raise ValueError(f"engine={name} decodes greedily: set temperature 0, or engine cache to sample")
+    if name == "graphs" and device.type != "cuda":
+        raise ValueError("engine=graphs replays CUDA graphs: on the CPU use engine static, compiled or cache")
+    return name
 
 
 class StaticDecoder(nn.Module):
@@ -54,7 +71,7 @@ class StaticDecoder(nn.Module):
         if compile == "reduce-overhead" and weight.device.type != "cuda":
             raise ValueError("compile='reduce-overhead' replays CUDA graphs: it needs the model on CUDA "
                              "(on the CPU use compile='default' or None)")
-        self.model, self.capacity, self.mode = model, capacity, compile
+        self.model, self.batch, self.capacity, self.mode = model, batch, capacity, compile
         self.layers = nn.ModuleList(_LayerCache(block.attn.static_cache(batch, capacity, weight.dtype, weight.device))
                                     for block in model.blocks)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=weight.device), persistent=False)
@@ -68,11 +85,13 @@ class StaticDecoder(nn.Module):
         self.pos.add_(tokens.shape[1])
         return logits
 
+    @torch.no_grad()  # decoding only: the caches never join an autograd graph
     def prefill(self, tokens: Tensor) -> Tensor:
         """Write tokens [batch, n] (any n) from the current position, uncompiled -> logits [batch, n, vocab]."""
         self._advance(tokens.shape[1])
         return self.forward(tokens)
 
+    @torch.no_grad()  # decoding only: the caches never join an autograd graph
     def step(self, tokens: Tensor) -> Tensor:
         """One compiled step of tokens [batch, t] -> logits [batch, t, vocab]."""
         self._advance(tokens.shape[1])
@@ -80,6 +99,16 @@ class StaticDecoder(nn.Module):
             torch.compiler.cudagraph_mark_step_begin()
         # contiguous strides whatever the tokens are a view of: the compiled step guards on them
         return self._step(tokens.clone(memory_format=torch.contiguous_format))
+
+    @torch.no_grad()  # decoding only: the caches never join an autograd graph
+    def warm_up(self, *lengths: int) -> None:
+        """Compile (and on CUDA record) the steps of these lengths, outside any timing; the cache is
+        left empty."""
+        for t in lengths:
+            for _ in range(3):  # CUDA graph trees record on a step's second call and replay from the third
+                self.rollback(0)
+                self.step(torch.zeros(self.batch, t, dtype=torch.long, device=self.pos.device))
+        self.rollback(0)
 
     def rollback(self, length: int) -> None:
         """Forget every position from `length` on (0: a new sequence)."""

@@ -52,6 +52,14 @@ class Branch(Enum):  # NSA's three branches
     window = "window"
 
 
+class DecodingEngine(Enum):  # speculative decoding's decoders: models/decoding.py ENGINES, or auto
+    auto = "auto"
+    cache = "cache"
+    static = "static"
+    compiled = "compiled"
+    graphs = "graphs"
+
+
 class WandbMode(Enum):
     offline = "offline"
     online = "online"
@@ -390,6 +398,7 @@ class SpeculativeTaskConfig(LanguageModelTaskConfig):
     gamma: int = MISSING  # draft tokens per verification step
     distill_weight: float = MISSING  # the draft's loss adds this times KL(target || draft) on the same batches
     temperature: float = MISSING  # 0: greedy, which speculative decoding reproduces token for token
+    engine: DecodingEngine = MISSING  # how both decoders run (models/decoding.py ENGINES)
 
 
 @dataclass
