@@ -18,7 +18,6 @@ output equals the growing cache's (models/sampling.py `generate`, models/specula
 token, up to the compiler's reordering of floating-point sums (tests check it in float64).
 """
 
-import time
 from typing import Optional
 
 import torch
@@ -189,25 +188,3 @@ def speculative_greedy(target: StaticDecoder, draft: StaticDecoder, prompt: Tens
         pending = [drafted[-1], new_token] if accepted == gamma else [new_token]
         committed += accepted + 1
     return torch.cat(out[:length], dim=1), stats
-
-
-def timed_calls(engine: StaticDecoder, context: Tensor, tokens: int, calls: int) -> list[float]:
-    """Milliseconds of `calls` compiled steps of `tokens` tokens after context [batch, n], each
-    rolled back (the first, warm-up, call left out), synchronised on CUDA."""
-    engine.rollback(0)
-    engine.prefill(context)
-    step = context[:, -tokens:]
-    times = []
-    for _ in range(calls + 1):
-        _sync(context)
-        t0 = time.perf_counter()
-        engine.step(step)
-        _sync(context)
-        times.append(1e3 * (time.perf_counter() - t0))
-        engine.rollback(context.shape[1])
-    return times[1:]
-
-
-def _sync(t: Tensor) -> None:
-    if t.is_cuda:
-        torch.cuda.synchronize(t.device)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from models.decoding import StaticDecoder, greedy, speculative_greedy, timed_calls
+from models.decoding import ENGINES, StaticDecoder, greedy, speculative_greedy
 from models.lm import nsa_lm, routing_lm, sinkhorn_lm, transformer_lm
 from models.sampling import generate
 from models.transformer import TransformerLM
@@ -97,17 +97,6 @@ def test_the_compiled_engine_decodes_as_the_eager_one():
     assert any(0 < a < 3 for a in stats.accepted)
 
 
-def test_timed_calls_leave_the_cache_where_they_found_it():
-    model = tiny("dense")
-    engine = StaticDecoder(model, 1, 16)
-    context = torch.randint(0, 32, (1, 10))
-    assert len(timed_calls(engine, context, tokens=4, calls=3)) == 3
-    assert engine.length == 10 and int(engine.pos) == 10
-    with torch.no_grad():
-        torch.testing.assert_close(engine.step(context[:, -1:]), model(torch.cat([context, context[:, -1:]], 1))[:, -1:],
-                                   rtol=0, atol=1e-10)
-
-
 def test_what_the_engine_cannot_serve_is_refused_in_one_line():
     nsa = nsa_lm(**COMMON, depth=1, kv_heads=1, sliding_window_size=8, compress_block_size=4, compress_stride=2,
                  fine_block_size=4, num_fine_selected=3)
@@ -123,3 +112,9 @@ def test_what_the_engine_cannot_serve_is_refused_in_one_line():
         engine.step(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="one row at a time"):
         speculative_greedy(engine, engine, torch.zeros(2, 3, dtype=torch.long), 4, 2)
+
+
+def test_the_configs_engines_are_the_engines():
+    from experiments.config.schema import DecodingEngine
+
+    assert {e.value for e in DecodingEngine} == {"auto", *ENGINES}
