@@ -12,7 +12,7 @@ tokens' keys at the device-side positions and attends over the whole capacity, t
 each query masked. Rolling back (speculative decoding's rejected tokens) moves the position; what
 lies past it is masked until it is overwritten.
 
-Three step shapes serve both decoders: one token (a plain or draft step) and gamma + 1 tokens (the
+Two step shapes serve both decoders: one token (a plain or draft step) and gamma + 1 tokens (the
 target's verification); the prompt is written by an uncompiled prefill of any length. Greedy
 output equals the growing cache's (models/sampling.py `generate`, models/speculative.py) token for
 token, up to the compiler's reordering of floating-point sums (tests check it in float64).
@@ -74,6 +74,9 @@ class StaticDecoder(nn.Module):
         self.layers = nn.ModuleList(_LayerCache(block.attn.static_cache(batch, capacity, weight.dtype, weight.device))
                                     for block in model.blocks)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=weight.device), persistent=False)
+        if compile == "reduce-overhead":  # graphs write into these in place, never into copies of them
+            for t in self.buffers():
+                torch._dynamo.mark_static_address(t, guard=False)  # no guard: engines of one shape share graphs
         self.length = 0  # the host's copy of pos: capacity is checked without reading the device
         # static shapes, one graph per step length; the whole step in one graph (no break splits it)
         self._step = torch.compile(self.forward, mode=compile, dynamic=False, fullgraph=True) if compile else self.forward
