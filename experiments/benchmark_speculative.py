@@ -19,6 +19,12 @@ and one verification (the rest of the loop, sampling and the prompt, costs a few
 
     speedup ~ (accepted + 1) * step / (gamma * draft + verify)    at most (gamma + 1) * step / (...)
 
+--engine (models/decoding.py): cache, the growing KV cache, eager (the CPU's figures); static,
+preallocated caches and steps of fixed shapes, eager; compiled, those steps through torch.compile;
+graphs, replayed as CUDA graphs. auto: graphs on CUDA, cache on the CPU. On CUDA each call's
+kernel launches are counted too (torch.profiler: the host's launch calls, one per graph replay,
+and the kernels the GPU ran). --device: cpu, cuda, or auto (cuda where there is one).
+
 Each measurement runs in a fresh process; rounds interleave them and the median round is shown.
 """
 
@@ -33,31 +39,50 @@ SEED_TARGET = dict(num_tokens=256, dim=512, depth=10, heads=8, dim_head=64)
 PRIME, LENGTH = 128, 512
 
 
-def plain(name: str, threads: int) -> dict:
-    """Plain greedy KV-cache decoding of the seed's target, by our code or the reference's."""
+def plain(name: str, threads: int, engine: str, device: str) -> dict:
+    """Plain greedy decoding of the seed's target, by our code (on `engine`) or the reference's."""
     import torch
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    prompt = torch.randint(0, SEED_TARGET["num_tokens"], (1, PRIME))
+    prompt = torch.randint(0, SEED_TARGET["num_tokens"], (1, PRIME), device=device)
     if name == "ref":
         from speculative_decoding import Decoder, base_decoding
 
-        model = Decoder(**SEED_TARGET).eval()
+        model = Decoder(**SEED_TARGET).to(device).eval()
         decode = lambda: base_decoding(model, prompt, PRIME + LENGTH, temperature=0.0)  # noqa: E731
     else:
         from models.lm import transformer_lm
-        from models.sampling import generate
 
-        model = transformer_lm(**SEED_TARGET).eval()
-        decode = lambda: generate(model, prompt, LENGTH, temperature=0.0)  # noqa: E731
+        model = transformer_lm(**SEED_TARGET).to(device).eval()
+        decode = _plain_decoder(model, prompt, engine)
     with torch.no_grad():
-        decode()  # warm-up: first-call allocations (and measuring the linears' plan) are not decoding speed
+        decode()  # warm-up: first-call allocations (the linears' plan, compiled steps) are not decoding speed
+        _sync(device)
         t0 = time.perf_counter()
         decode()
+        _sync(device)
         seconds = time.perf_counter() - t0
     return {"model": name, "params": sum(p.numel() for p in model.parameters()), "tokens_per_s": LENGTH / seconds,
-            "plan": None if name == "ref" else _plan(model, threads)}
+            "plan": None if name == "ref" or engine != "cache" else _plan(model, threads)}
+
+
+def _plain_decoder(model, prompt, engine: str):
+    """decode() -> greedy tokens of `model` after prompt [1, n], on `engine`."""
+    from models.decoding import ENGINES, StaticDecoder, greedy
+    from models.sampling import generate
+
+    if engine == "cache":
+        return lambda: generate(model, prompt, LENGTH, temperature=0.0)
+    decoder = StaticDecoder(model, 1, prompt.shape[1] + LENGTH, ENGINES[engine])
+    return lambda: greedy(decoder, prompt, LENGTH)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _plan(model, threads: int) -> str:
@@ -70,8 +95,8 @@ def _plan(model, threads: int) -> str:
 
 
 def speculative(run: Path, gamma: int, length: int, primes: int, temperature: float, threads: int,
-                dtype: str) -> dict:
-    """Plain against speculative decoding with a trained pair, summed over `primes` excerpts."""
+                dtype: str, engine: str, device: str) -> dict:
+    """Plain against speculative decoding with a trained pair on `engine`, summed over `primes` excerpts."""
     import torch
     from hydra.utils import instantiate
 
@@ -80,49 +105,95 @@ def speculative(run: Path, gamma: int, length: int, primes: int, temperature: fl
     from models.sampling import generate
 
     torch.set_num_threads(threads)
-    target, draft, cfg = load_pair(run)
+    target, draft, cfg = load_pair(run, device)
     if dtype == "bf16":
         target, draft = target.to(torch.bfloat16), draft.to(torch.bfloat16)
     data = instantiate(cfg.data)
     prime_length = int(cfg.task.get("prime_length", PRIME))
-    generate(target, data.prime(prime_length)[None], 8, 0.0)  # warm-up
+    generate(target, data.prime(prime_length)[None].to(device), 8, 0.0)  # warm-up
     plain_s = spec_s = accepted = 0.0
-    same = True
+    same, same_as_cache = True, True
     for index in range(primes):
-        prompt = data.prime(prime_length, index)[None]
-        r = compare_decoding(target, draft, prompt, length, gamma, temperature, None, seed=index)
+        prompt = data.prime(prime_length, index)[None].to(device)
+        r = compare_decoding(target, draft, prompt, length, gamma, temperature, None, seed=index, engine=engine)
         plain_s += length / r["base_tokens_per_s"]
         spec_s += length / r["spec_tokens_per_s"]
         accepted += r["accepted_per_step"] / primes
         same &= r["same_output"]
-    costs = call_costs(target, draft, data.prime(prime_length + length // 2), gamma)
+        if engine != "cache" and index == 0:  # the engine's greedy tokens against the growing cache's
+            same_as_cache = bool(torch.equal(r["plain"], generate(target, prompt, length, 0.0)))
+    # the calls after a context half the decoding's length, on engines of the decoding's capacity (the same graphs)
+    costs = call_costs(target, draft, data.prime(prime_length + length // 2).to(device), gamma, engine,
+                       capacity=prime_length + length + gamma + 1)
     return {**costs, "plain_tokens_per_s": primes * length / plain_s, "spec_tokens_per_s": primes * length / spec_s,
             "speedup": plain_s / spec_s, "accepted_per_step": accepted, "acceptance_rate": accepted / gamma,
-            "same_output": same, "target_params": sum(p.numel() for p in target.parameters()),
+            "same_output": same, "same_as_cache": same_as_cache,
+            "target_params": sum(p.numel() for p in target.parameters()),
             "draft_params": sum(p.numel() for p in draft.parameters())}
 
 
-def call_costs(target, draft, context, gamma: int, calls: int = 21) -> dict:
+def call_costs(target, draft, context, gamma: int, engine: str = "cache", capacity: int = 0, calls: int = 21) -> dict:
     """Median milliseconds of a one-token target step, a verification of gamma + 1 tokens and a
-    one-token draft step after `context` [seq], interleaved as in decoding (the draft's weights
-    leave the cache while the target runs), so that the VM's drifts touch all three alike."""
+    one-token draft step after `context` [seq] on `engine` (static engines of `capacity` positions, at
+    least the context's and a verification's), interleaved as in decoding (the draft's
+    weights leave the cache while the target runs), so that the VM's drifts touch all three alike;
+    on CUDA also each call's launches ({kind}_launches, {kind}_kernels)."""
+    import contextlib
+
     import torch
 
+    from models.decoding import ENGINES, StaticDecoder
     from models.sampling import decoding_linears
 
-    kinds = {"step_ms": (target, 1), "verify_ms": (target, gamma + 1), "draft_ms": (draft, 1)}
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    with torch.no_grad(), decoding_linears(target, draft):
-        caches = {model: model.new_cache() for model in (target, draft)}
-        for model, cache in caches.items():
-            model(context[None], cache=cache)
+    kinds = {"step": (target, 1), "verify": (target, gamma + 1), "draft": (draft, 1)}
+    with torch.no_grad(), (decoding_linears(target, draft) if engine == "cache" else contextlib.nullcontext()):
+        if engine == "cache":
+            caches = {model: model.new_cache() for model in (target, draft)}
+            for model, cache in caches.items():
+                model(context[None], cache=cache)
+
+            def call(model, tokens: int) -> None:
+                model(context[-tokens:][None], cache=caches[model])
+                model.truncate_cache(caches[model], len(context))
+        else:
+            engines = {model: StaticDecoder(model, 1, max(capacity, len(context) + gamma + 1), ENGINES[engine])
+                       for model in (target, draft)}
+            for model, decoder in engines.items():
+                decoder.warm_up(*{tokens for m, tokens in kinds.values() if m is model})
+                decoder.prefill(context[None])
+
+            def call(model, tokens: int) -> None:
+                engines[model].step(context[-tokens:][None])
+                engines[model].rollback(len(context))
+
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for _ in range(calls):
             for kind, (model, tokens) in kinds.items():
+                _sync(context.device)
                 t0 = time.perf_counter()
-                model(context[-tokens:][None], cache=caches[model])
+                call(model, tokens)
+                _sync(context.device)
                 times[kind].append(1e3 * (time.perf_counter() - t0))
-                model.truncate_cache(caches[model], len(context))
-    return {kind: sorted(ms)[calls // 2] for kind, ms in times.items()}
+        costs = {f"{kind}_ms": sorted(ms)[calls // 2] for kind, ms in times.items()}
+        if context.is_cuda:
+            for kind, (model, tokens) in kinds.items():
+                costs[f"{kind}_launches"], costs[f"{kind}_kernels"] = cuda_launches(lambda: call(model, tokens))
+    return costs
+
+
+def cuda_launches(call) -> tuple[int, int]:
+    """(the host's launch calls, the kernels the GPU ran) in one call of call(), by torch.profiler;
+    a replayed CUDA graph is one launch call for all its kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    events = prof.events()
+    launches = sum(1 for e in events if "LaunchKernel" in e.name or "GraphLaunch" in e.name)
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return launches, kernels
 
 
 def main() -> None:
@@ -135,6 +206,9 @@ def main() -> None:
     parser.add_argument("--primes", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the pair's decoding precision")
+    parser.add_argument("--engine", choices=["auto", "cache", "static", "compiled", "graphs"], default="auto",
+                        help="how our decoders run (models/decoding.py); auto: graphs on CUDA, cache on the CPU")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median round is shown")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one JSON row
@@ -143,12 +217,23 @@ def main() -> None:
                             "--temperature": ("temperature", args.temperature), "--primes": ("count", args.primes),
                             "--threads": ("count", args.threads), "--repeat": ("count", args.repeat)}):
         parser.error(error)
+    import torch
+
+    from models.decoding import choose_engine
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible (use --device cpu or auto)")
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        engine = choose_engine(args.engine, device, args.temperature)
+    except ValueError as e:
+        parser.error(f"--{e}")
     if args.one:
-        row = (speculative(args.run, args.gamma, args.length, args.primes, args.temperature, args.threads, args.dtype)
-               if args.run else plain(args.models[0], args.threads))
+        row = (speculative(args.run, args.gamma, args.length, args.primes, args.temperature, args.threads, args.dtype,
+                           engine, str(device))
+               if args.run else plain(args.models[0], args.threads, engine, str(device)))
         print(json.dumps(row))
         return
-    import torch
 
     from experiments.runtime.throughput import bf16_matrix_units, device_name, measure_in_child, median_row
 
@@ -162,15 +247,16 @@ def main() -> None:
                                   "--dtype", args.dtype]))
         for name, extra in jobs:
             try:
-                rows.setdefault(name, []).append(
-                    measure_in_child("experiments.benchmark_speculative", [*extra, "--threads", str(args.threads)])[0])
+                child = [*extra, "--threads", str(args.threads), "--engine", engine, "--device", device.type]
+                rows.setdefault(name, []).append(measure_in_child("experiments.benchmark_speculative", child)[0])
             except RuntimeError as e:
                 print(f"{name} failed: {e}" + (" (see the module docstring to install it)" if name == "ref" else ""))
                 failed.add(name)
     plain_rows = {name: median_row(runs, "tokens_per_s") for name, runs in rows.items() if name != "pair" and runs}
-    print(f"{device_name(torch.device('cpu'))}, {args.threads} threads; bf16 matrix units: "
-          f"{'yes' if bf16_matrix_units() else 'no'}")
-    if plain_rows.get("ours"):
+    print(f"{device_name(device)}" + (f", {args.threads} threads; bf16 matrix units: "
+                                       f"{'yes' if bf16_matrix_units() else 'no'}" if device.type == "cpu" else "")
+          + f"; our decoders: engine {engine}")
+    if plain_rows.get("ours", {}).get("plan"):
         print(f"decoding linears (measured on this CPU): {plain_rows['ours']['plan']}")
     if plain_rows:
         print(f"plain decoding, seed target: {PRIME}-token prime, {LENGTH} greedy tokens, batch 1, fp32")
@@ -188,9 +274,15 @@ def main() -> None:
         print(f"accepted     {r['accepted_per_step']:.2f} of {args.gamma} draft tokens per verification step "
               f"({r['acceptance_rate']:.0%})" + (f"; greedy output equal to plain decoding's: {r['same_output']}"
                                                  if args.temperature == 0 else ""))
+        if engine != "cache":
+            print(f"             plain greedy output equal to the growing cache's (eager): {r['same_as_cache']}")
         round_ms = args.gamma * r["draft_ms"] + r["verify_ms"]
         print(f"calls        target step {r['step_ms']:.2f} ms, verification of {args.gamma + 1} tokens "
               f"{r['verify_ms']:.2f} ms ({r['verify_ms'] / r['step_ms']:.2f} steps), draft step {r['draft_ms']:.2f} ms")
+        if "step_launches" in r:
+            print("launches     " + ", ".join(f"{kind} {r[f'{kind}_launches']} ({r[f'{kind}_kernels']} kernels, "
+                                              f"{1e3 * r[f'{kind}_ms'] / max(1, r[f'{kind}_kernels']):.1f} us each)"
+                                              for kind in ("step", "verify", "draft")))
         print(f"             so {(r['accepted_per_step'] + 1) * r['step_ms'] / round_ms:.2f}x at this acceptance, "
               f"{(args.gamma + 1) * r['step_ms'] / round_ms:.2f}x if every draft token were accepted")
     print(f"({args.threads} threads, median of {args.repeat} interleaved rounds, each in a fresh process)")

@@ -48,7 +48,11 @@ class Rotary(nn.Module):
         """(cos, sin) of each channel pair's angle at positions [0, end): [end, dim_head / 2, 2] fp32,
         for kernels that rotate as they read (kernels/span_attention/, kernels/nsa_attention/); the
         complex form's numbers (fp64 angles rounded once), kept real so torch.compile traces them,
-        computed once and grown by doubling."""
+        computed once and grown by doubling (in code torch.compile traces, computed in the graph: a
+        cached table would be a side effect of the graph and a guard on the next call)."""
+        if torch.compiler.is_compiling():
+            angles = torch.arange(end, device=device, dtype=torch.float64)[:, None] * self.inv_freq.to(device).double()
+            return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
         table = self._phase_table
         if table is None or table.shape[0] < end or table.device != torch.device(device):
             size = max(end, 2 * table.shape[0] if table is not None else 0, 256)
@@ -83,3 +87,14 @@ class Rotary(nn.Module):
             cos, sin = (t[start : start + seq] for t in self._cos_sin(start + seq, x.device, x.dtype))
         swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         return x * cos + swapped * (-sin if inverse else sin)
+
+    def at(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate x [..., t, dim_head] whose positions are the tensor positions [t] (a static cache's
+        decoding step, where the position lives on the device): the real form, traceable and one
+        graph for every position. The angles are computed as the eager path computes them (fp64 for
+        fp32 and fp64 x, fp32 otherwise), so a step gives the logits the growing cache gives."""
+        wide = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+        angles = positions.to(wide)[:, None] * self.inv_freq.to(wide)
+        cos = angles.cos().repeat_interleave(2, dim=-1).to(x.dtype)
+        sin = torch.stack((-angles.sin(), angles.sin()), dim=-1).flatten(-2).to(x.dtype)
+        return x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin

@@ -27,6 +27,7 @@ from tests.helpers.runs import ROOT, TINY_LM, read_metrics, read_summary, run_en
 
 CONFIG_CASES = [
     (["optimizer.lr=-1e-3"], "optimizer.lr=-0.001 must be positive"),
+    (["trainer.compile=fast"], "trainer.compile=fast must be false, default or reduce-overhead (true: default)"),
     (["optimizer.betas=[0.9]"], "optimizer.betas=[0.9] must be two numbers in [0, 1)"),
     (["optimizer.eps=0"], "optimizer.eps=0.0 must be positive"),
     (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1 must be 0 or more"),
@@ -196,6 +197,8 @@ FLAG_CASES = [
     ("experiments.speculative", ["RUN", "--length", "-5"], "--length=-5 must be at least 1"),
     ("experiments.speculative", ["RUN", "--top-k", "0"], "--top-k=0 must be at least 1, or leave the flag out"),
     ("experiments.speculative", ["RUN", "--threads", "0"], "--threads=0 must be at least 1"),
+    ("experiments.speculative", ["RUN", "--engine", "static", "--temperature", "0.8"],
+     "--engine=static decodes greedily: set temperature 0, or engine cache to sample"),
     ("experiments.text_to_image", ["RUN", "--prompt", "x", "--num-images", "0"], "--num-images=0 must be at least 1"),
     ("experiments.text_to_image", ["RUN", "--prompt", "x", "--filter-thres", "1.5"], "--filter-thres=1.5 must lie in [0, 1)"),
 ]
@@ -225,6 +228,8 @@ BENCHMARK_FLAG_CASES = [
     ("experiments.benchmark", ["--decode", "--tensor-peak"], "--tensor-peak measures a training step: leave out"),
     ("experiments.benchmark_speculative", ["--gamma", "0", "--primes", "0"], "--gamma=0 must be at least 1; --primes"),
     ("experiments.benchmark_speculative", ["--temperature", "-1"], "--temperature=-1.0 must be 0 or more"),
+    ("experiments.benchmark_speculative", ["--engine", "compiled", "--temperature", "1"],
+     "--engine=compiled decodes greedily: set temperature 0"),
     ("experiments.benchmark_dalle", ["--steps", "0", "--ff-mult", "0"], "--steps=0 must be at least 1; --ff-mult=0.0 "
                                                                         "must be positive"),
     ("experiments.benchmark_kernels", ["--lengths", "64", "0", "--repeats", "0"], "--lengths=0 must be at least 1; --repeats=0"),

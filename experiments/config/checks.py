@@ -40,6 +40,7 @@ _STEPS = {"validate_every", "generate_every", "checkpoint_every"}  # 0: off
 _POSITIVE = {"lr", "eps", "ff_mult", "compress_hidden_mult", "vae_lr", "timeout_s", "power_a"}
 _FRACTION = {"attn_dropout", "ff_dropout", "cond_drop_prob", "filter_thres", "ema_decay"}  # [0, 1)
 _OPEN_FRACTION = {"val_fraction", "factor"}  # (0, 1)
+COMPILE_VALUES = (False, True, "default", "reduce-overhead")  # trainer.compile (true: default)
 _OPTIONAL_AT_LEAST_1 = {"top_k": "the full distribution", "emb_dim": "dim", "threads": "torch's default"}
 _MODEL_SECTIONS = ("model", "draft")  # where top_k is what a sparse attention keeps (MoBA, DSA), not sampling's
 
@@ -66,6 +67,8 @@ def _rule(key: str, value, section: Optional[str] = None) -> Optional[str]:
         return None if _number(value) and 0 < value <= 1 else "must lie in (0, 1]"
     if key in ("offload_optimizer", "offload_param"):
         return None if value in ("none", "cpu", "nvme") else "must be none, cpu or nvme"
+    if key == "compile":
+        return None if value in COMPILE_VALUES else "must be false, default or reduce-overhead (true: default)"
     if key == "zero_stage":
         return None if value in (0, 1, 2, 3) else "must be 0, 1, 2 or 3"
     if key == "n_local_attn_heads":

@@ -52,6 +52,14 @@ class Branch(Enum):  # NSA's three branches
     window = "window"
 
 
+class DecodingEngine(Enum):  # speculative decoding's decoders: models/decoding.py ENGINES, or auto
+    auto = "auto"
+    cache = "cache"
+    static = "static"
+    compiled = "compiled"
+    graphs = "graphs"
+
+
 class WandbMode(Enum):
     offline = "offline"
     online = "online"
@@ -77,7 +85,9 @@ class TrainerConfig:
     threads: Optional[int] = MISSING  # torch intra-op threads on CPU; null: torch's default
     cpu_allocator: CpuAllocator = MISSING  # freed memory: back to the system, kept on the heap, or pooled by size
     progress: bool = MISSING  # tqdm progress bar on stderr
-    compile: bool = MISSING  # torch.compile of each trained model's training forward
+    # torch.compile of each trained model's training forward: false | default | reduce-overhead (CUDA
+    # graphs, CUDA only); true means default. Any: a bool or a mode name, checked by experiments.config.checks
+    compile: Any = MISSING
     deterministic: bool = MISSING  # deterministic algorithms only: GPU runs repeat to the bit
 
 
@@ -410,6 +420,7 @@ class SpeculativeTaskConfig(LanguageModelTaskConfig):
     gamma: int = MISSING  # draft tokens per verification step
     distill_weight: float = MISSING  # the draft's loss adds this times KL(target || draft) on the same batches
     temperature: float = MISSING  # 0: greedy, which speculative decoding reproduces token for token
+    engine: DecodingEngine = MISSING  # how both decoders run (models/decoding.py ENGINES)
 
 
 @dataclass

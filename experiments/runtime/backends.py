@@ -65,10 +65,14 @@ class LocalBackend:
         torch.backends.cudnn.benchmark = False
         random.seed(trainer.seed)
         torch.manual_seed(trainer.seed)
-        self.compile = trainer.compile
+        self.compile = compile_mode(trainer.compile)
+        if self.compile == "reduce-overhead" and self.device.type != "cuda":
+            # refused rather than run without graphs: the run's figures would not be what it says it measured
+            raise UserError("trainer.compile=reduce-overhead replays CUDA graphs and needs a CUDA device: use "
+                            "trainer.compile=default on the CPU")
         if self.compile and self.device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "c++"))
                                                                or shutil.which("g++")):
-            raise UserError("trainer.compile=true on the CPU needs a C++ compiler (c++, g++ or $CXX) for "
+            raise UserError(f"trainer.compile={self.compile} on the CPU needs a C++ compiler (c++, g++ or $CXX) for "
                             "torch.compile's kernels: install one, or set trainer.compile=false")
         reset_peak_memory(self.device)  # sweep jobs share a process: each measures its own peak
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
@@ -91,8 +95,8 @@ class LocalBackend:
         return Trainee(prefix, model, self._compiled(model), make_optimizer(model.parameters()))
 
     def _compiled(self, forward: nn.Module) -> nn.Module:
-        """The training forward, compiled where trainer.compile asks (lazily: the first call compiles)."""
-        return torch.compile(forward) if self.compile else forward
+        """The training forward, compiled in trainer.compile's mode (lazily: the first call compiles)."""
+        return torch.compile(forward, mode=self.compile) if self.compile else forward
 
     def autocast(self):
         if self.precision == "fp32":
@@ -200,9 +204,9 @@ class DeepSpeedBackend(DDPBackend):
         self.initial_loss_scale_power, self.config_file = initial_loss_scale_power, config_file
 
     def setup(self, trainer) -> None:
-        if trainer.compile:
-            raise UserError("trainer.compile=true is for backend=local or ddp: a DeepSpeed engine compiles "
-                            "its own way; set trainer.compile=false")
+        if compile_mode(trainer.compile):
+            raise UserError(f"trainer.compile={compile_mode(trainer.compile)} is for backend=local or ddp: a DeepSpeed engine "
+                            "compiles its own way; set trainer.compile=false")
         for key, value in (("RANK", self.rank), ("LOCAL_RANK", launch.local_rank()), ("WORLD_SIZE", self.world_size)):
             os.environ.setdefault(key, str(value))  # DeepSpeed reads them even in one plain process
         super().setup(trainer)
@@ -289,6 +293,14 @@ class DeepSpeedBackend(DDPBackend):
                             "by backend=deepspeed. Resume it with the backend that wrote it")
         for t in trainees:
             t.forward.load_checkpoint(str(engine_dir), tag=t.prefix or "model", load_lr_scheduler_states=False)
+
+
+def compile_mode(value) -> Optional[str]:
+    """trainer.compile as torch.compile's mode: None (false), "default" (true or default) or
+    "reduce-overhead"."""
+    if value is True:
+        return "default"
+    return None if value is False else value
 
 
 def parallel_job_slot():

@@ -107,9 +107,9 @@ class Loop:
             figures = self._train_step(step, active)
             if compiling:
                 compile_s = time.perf_counter() - window_t
-                log.info("step %d compiled the training forward and backward in %.1f s (not counted in tokens/s)",
-                         step + 1, compile_s)
-                run.update_summary(compile_s=round(compile_s, 1))
+                log.info("step %d compiled the training forward and backward in %.1f s (mode %s; not counted in "
+                         "tokens/s)", step + 1, compile_s, compiling)
+                run.update_summary(compile_s=round(compile_s, 1), compile_mode=compiling)
                 compiling, window_t = False, time.perf_counter()
             else:
                 window_flops += self._flops_at(step, active)
@@ -158,6 +158,8 @@ class Loop:
         totals: dict[str, float] = {}
         for micro in range(tr.grad_accum):
             batch = self.task.micro_batch(step, micro)
+            if self.backend.compile == "reduce-overhead":  # the last replay's outputs are read: graphs may reuse them
+                torch.compiler.cudagraph_mark_step_begin()
             for m in active:
                 m.model.train()
                 with self.backend.accumulating(m.trainee, last=micro == tr.grad_accum - 1):

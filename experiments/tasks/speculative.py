@@ -13,24 +13,23 @@ import torch.nn.functional as F
 from experiments.runtime.errors import UserError
 from experiments.tasks.lm import LanguageModelTask
 from experiments.tasks.task import Member
+from models.decoding import ENGINES, StaticDecoder, choose_engine, greedy, speculative_greedy
 from models.sampling import decoding_linears, generate
 from models.speculative import speculative_generate
 from models.transformer import IGNORE
 
 
 def compare_decoding(target, draft, prompt, length: int, gamma: int, temperature: float, top_k: Optional[int],
-                     seed: int = 0) -> dict:
-    """Plain against speculative decoding of prompt [batch, prime]: outputs and figures. Both
-    decode through the same linears plan, measured before either is timed."""
-    device = prompt.device
-    with decoding_linears(target, draft):
-        t0 = time.perf_counter()
-        plain = generate(target, prompt, length, temperature, top_k, torch.Generator(device=device).manual_seed(seed))
-        plain_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        spec, stats = speculative_generate(target, draft, prompt, length, gamma, temperature, top_k,
-                                           torch.Generator(device=device).manual_seed(seed))
-        spec_s = time.perf_counter() - t0
+                     seed: int = 0, engine: str = "cache") -> dict:
+    """Plain against speculative decoding of prompt [batch, prime]: outputs and figures. engine
+    (models/decoding.py ENGINES): "cache", the growing cache, both decoding through the same
+    linears plan, measured before either is timed; otherwise greedy decoding on static-cache
+    engines, each step shape compiled (or recorded as a CUDA graph) before either is timed."""
+    if engine == "cache":
+        plain, spec, stats, plain_s, spec_s = _growing_cache_decoding(target, draft, prompt, length, gamma,
+                                                                        temperature, top_k, seed)
+    else:
+        plain, spec, stats, plain_s, spec_s = _static_decoding(target, draft, prompt, length, gamma, ENGINES[engine])
     tokens = prompt.shape[0] * length
     return {
         "plain": plain,
@@ -42,6 +41,41 @@ def compare_decoding(target, draft, prompt, length: int, gamma: int, temperature
         "acceptance_rate": round(stats.mean_accepted / gamma, 4),  # as a fraction of gamma
         "same_output": bool(torch.equal(plain, spec)),
     }
+
+
+def _growing_cache_decoding(target, draft, prompt, length, gamma, temperature, top_k, seed):
+    device = prompt.device
+    with decoding_linears(target, draft):
+        t0 = time.perf_counter()
+        plain = generate(target, prompt, length, temperature, top_k, torch.Generator(device=device).manual_seed(seed))
+        plain_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        spec, stats = speculative_generate(target, draft, prompt, length, gamma, temperature, top_k,
+                                           torch.Generator(device=device).manual_seed(seed))
+        spec_s = time.perf_counter() - t0
+    return plain, spec, stats, plain_s, spec_s
+
+
+def _static_decoding(target, draft, prompt, length, gamma, mode):
+    """Greedy plain and speculative decoding of prompt [1, prime] on static-cache engines."""
+    capacity = prompt.shape[1] + length + gamma + 1
+    target_engine, draft_engine = (StaticDecoder(model, 1, capacity, mode) for model in (target, draft))
+    target_engine.warm_up(1, gamma + 1)
+    draft_engine.warm_up(1)
+    t0 = time.perf_counter()
+    plain = greedy(target_engine, prompt, length)
+    plain_s = _synced(t0, plain)
+    t0 = time.perf_counter()
+    spec, stats = speculative_greedy(target_engine, draft_engine, prompt, length, gamma)
+    spec_s = _synced(t0, spec)
+    return plain, spec, stats, plain_s, spec_s
+
+
+def _synced(t0: float, out: torch.Tensor) -> float:
+    """Seconds since t0 once `out` is computed (the device's queue drained on CUDA)."""
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
+    return time.perf_counter() - t0
 
 
 def distillation_kl(logits, target_logits, mask):
@@ -59,12 +93,13 @@ class SpeculativeTask(LanguageModelTask):
 
     name = "speculative"
 
-    def __init__(self, gamma: int, distill_weight: float, **lm_knobs):
+    def __init__(self, gamma: int, distill_weight: float, engine: str, **lm_knobs):
         super().__init__(**lm_knobs)
         if gamma < 1:
             raise ValueError(f"gamma={gamma} must be at least 1: set task.gamma")
         self.gamma = gamma
         self.distill_weight = distill_weight
+        self.engine = getattr(engine, "value", engine)  # resolved for the device in setup
         self._target_logits = None  # (batch, the target's detached logits on it)
 
     def loss(self, member: Member, batch):
@@ -92,6 +127,10 @@ class SpeculativeTask(LanguageModelTask):
         if "draft_" not in nets:
             raise UserError("task=speculative needs a draft model: add `- /model@draft: transformer` to the "
                             "defaults (as conf/experiment/speculative.yaml does) or use experiment=speculative")
+        try:
+            self.engine = choose_engine(self.engine, self.ctx.backend.device, self.temperature)
+        except ValueError as e:
+            raise UserError(f"task.{e}") from None
         return super().setup(nets)
 
     @torch.no_grad()
@@ -101,7 +140,7 @@ class SpeculativeTask(LanguageModelTask):
         prime = ctx.data.prime(self.prime_length).to(ctx.backend.device)[None]
         with ctx.backend.autocast():
             result = compare_decoding(target, draft, prime, self.generate_length, self.gamma, self.temperature,
-                                      self.top_k, seed=ctx.trainer.seed + step)
+                                      self.top_k, seed=ctx.trainer.seed + step, engine=self.engine)
         figures = {k: v for k, v in result.items() if k not in ("plain", "speculative")}
         ctx.run.log_metrics({"step": step, **figures})
         ctx.tracker.log(figures, step)

@@ -35,6 +35,7 @@ attention backward over the rows of blocks above, given the output and log-sum-e
 """
 
 import ctypes
+import math
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -134,6 +135,7 @@ def _row_split(m: int, block: int, stride: int) -> tuple[int, int, int]:
     return first, (m - first) // stride, (m - first) % stride
 
 
+@torch.compiler.assume_constant_result  # torch.compile reads the answer, never the compiler's files
 def cpu_selection_available() -> bool:
     """Whether cpu_compressed_selection's C kernel is built (or can be built) here."""
     return _library() is not None
@@ -170,7 +172,6 @@ def triton_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, s
     return out, scores, indices
 
 
-@torch.compiler.disable  # C code through ctypes: torch.compile calls it as it is, untraced
 def cpu_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int, fine_block: int, forced: int,
                              free: int) -> tuple[Tensor, Tensor, Tensor]:
     """The compressed branch's attention (as causal_block_attention) and the `free` most important
@@ -186,55 +187,74 @@ def cpu_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stri
              compressed_attention's, summed over the group) and fine-block index, most important
              first, ties to the earlier block; score -inf (index 0) where no block is left for a slot
 
-    The pass runs in fp32, the backward (flash attention's) in q's dtype.
+    The pass runs in fp32, the backward (flash attention's) in q's dtype. The pass is the custom
+    operator `sparse_attention::compressed_selection`, so torch.compile traces through it; its
+    backward is traced torch.
     """
-    return _CompressedSelection.apply(q, kc, vc, (block, stride, fine_block, forced, free))
+    if not cpu_selection_available():
+        raise RuntimeError("the block-selection CPU kernel could not be built here (no working C compiler)")
+    out, _, scores, indices = _compressed_selection(q, kc, vc, block, stride, fine_block, forced, free)
+    return out, scores, indices
 
 
-class _CompressedSelection(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, kc, vc, knobs):
-        library = _library()
-        if library is None:
-            raise RuntimeError("the block-selection CPU kernel could not be built here (no working C compiler)")
-        block, stride, fine_block, forced, free = knobs
-        g, m, d = q.shape[-3:]
-        bh = q.shape[:-3].numel()
-        q32, vc32 = rows_as_they_lie(q.float()), vc.float().contiguous()
-        kc_t = transposed_tiles(kc.float())  # held here: a pointer does not keep its tensor alive
-        out, lse = q32.new_empty(bh, g, m, d), q32.new_empty(bh, g, m)
-        scores = q32.new_empty(bh, m, free)
-        indices = torch.empty(bh, m, free, dtype=torch.int64)
-        status = library.block_selection(pointer(q32), pointer(kc_t), pointer(vc32), pointer(scores), pointer(indices),
-                                         pointer(out), pointer(lse), bh, g, m, d, kc.shape[1], block, stride,
-                                         fine_block, forced, free, *row_strides(q32, q.dim() == 5),
-                                         ctypes.c_float(d**-0.5), torch.get_num_threads())
-        if status:
-            raise MemoryError("block selection: a thread could not allocate its scores")
-        if kc.shape[1] == 0:  # no block at all: vc's empty data reads as NULL in C, which writes no output
-            out.zero_(), lse.fill_(float("-inf"))
-        out = out.to(q.dtype)
-        flops.attention(lambda: bh * _visible_blocks(m, kc.shape[1], block, stride), g, d)  # the backward: torch's
-        ctx.knobs = knobs
-        ctx.save_for_backward(q, kc, vc, out, lse)
-        ctx.mark_non_differentiable(scores, indices)
-        return out, scores, indices
+@torch.library.custom_op("sparse_attention::compressed_selection", mutates_args=())
+def _compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int, fine_block: int, forced: int,
+                          free: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> out [bh, g, m, d] in q's dtype, its log-sum-exp [bh, g, m] (fp32, for the backward),
+    scores [bh, m, free] (fp32) and indices [bh, m, free] (int64)."""
+    g, m, d = q.shape[-3:]
+    bh = q.shape[:-3].numel()
+    q32, vc32 = rows_as_they_lie(q.float()), vc.float().contiguous()
+    kc_t = transposed_tiles(kc.float())  # held here: a pointer does not keep its tensor alive
+    out, lse = q32.new_empty(bh, g, m, d), q32.new_empty(bh, g, m)
+    scores = q32.new_empty(bh, m, free)
+    indices = torch.empty(bh, m, free, dtype=torch.int64)
+    status = _library().block_selection(pointer(q32), pointer(kc_t), pointer(vc32), pointer(scores), pointer(indices),
+                                        pointer(out), pointer(lse), bh, g, m, d, kc.shape[1], block, stride,
+                                        fine_block, forced, free, *row_strides(q32, q.dim() == 5),
+                                        ctypes.c_float(d**-0.5), torch.get_num_threads())
+    if status:
+        raise MemoryError("block selection: a thread could not allocate its scores")
+    if kc.shape[1] == 0:  # no block at all: vc's empty data reads as NULL in C, which writes no output
+        out.zero_(), lse.fill_(float("-inf"))
+    flops.attention(lambda: bh * _visible_blocks(m, kc.shape[1], block, stride), g, d)  # the backward: torch's
+    return out.to(q.dtype), lse, scores, indices
 
-    @staticmethod
-    def backward(ctx, dout, _scores, _indices):
-        q, kc, vc, out, lse = ctx.saved_tensors
-        block, stride = ctx.knobs[:2]
-        m, blocks = q.shape[-2], kc.shape[1]
-        if blocks == 0:
-            return torch.zeros_like(q), torch.zeros_like(kc), torch.zeros_like(vc), None
-        rows = lambda x: _to_rows(x, block, stride, blocks)  # noqa: E731
-        # rows past the sequence: zero queries and zero output gradient (a finite log-sum-exp of 0),
-        # so they add nothing to the key and value gradients
-        lse_rows = rows(lse[..., None])[..., 0]
-        dq, dkc, dvc = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            rows(dout.to(q.dtype)), rows(q), kc[:, None].to(q.dtype), vc[:, None].to(q.dtype), rows(out), lse_rows,
-            0.0, True)
-        return _from_rows(dq, block, stride, m).view(q.shape), dkc[:, 0].to(kc.dtype), dvc[:, 0].to(vc.dtype), None
+
+@_compressed_selection.register_fake
+def _(q, kc, vc, block, stride, fine_block, forced, free):
+    *lead, g, m, d = q.shape
+    bh = math.prod(lead)
+    return (q.new_empty(bh, g, m, d), q.new_empty(bh, g, m, dtype=torch.float32),
+            q.new_empty(bh, m, free, dtype=torch.float32), q.new_empty(bh, m, free, dtype=torch.int64))
+
+
+def _selection_setup_context(ctx, inputs, output):
+    q, kc, vc, *ctx.knobs = inputs
+    out, lse, scores, indices = output
+    ctx.save_for_backward(q, kc, vc, out, lse)
+    ctx.mark_non_differentiable(lse, scores, indices)
+
+
+def _selection_backward(ctx, dout, _lse, _scores, _indices):
+    """Flash attention's backward over the rows of blocks (traced torch: compiled with the rest)."""
+    q, kc, vc, out, lse = ctx.saved_tensors
+    block, stride = ctx.knobs[:2]
+    m, blocks = q.shape[-2], kc.shape[1]
+    if blocks == 0:
+        return torch.zeros_like(q), torch.zeros_like(kc), torch.zeros_like(vc), *[None] * 5
+    rows = lambda x: _to_rows(x, block, stride, blocks)  # noqa: E731
+    # rows past the sequence: zero queries and zero output gradient (a finite log-sum-exp of 0),
+    # so they add nothing to the key and value gradients
+    lse_rows = rows(lse[..., None])[..., 0]
+    dq, dkc, dvc = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        rows(dout.to(q.dtype)), rows(q), kc[:, None].to(q.dtype), vc[:, None].to(q.dtype), rows(out), lse_rows,
+        0.0, True)
+    return (_from_rows(dq, block, stride, m).view(q.shape), dkc[:, 0].to(kc.dtype), dvc[:, 0].to(vc.dtype),
+            *[None] * 5)
+
+
+_compressed_selection.register_autograd(_selection_backward, setup_context=_selection_setup_context)
 
 
 def _library() -> Optional[ctypes.CDLL]:

@@ -9,6 +9,7 @@ The C kernel is compiled for this CPU on first use (kernels/native.py). Where no
 """
 
 import ctypes
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -24,12 +25,12 @@ _SIGNATURES = (("span_attention_forward", 9, 16), ("span_attention_backward", 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@torch.compiler.assume_constant_result  # torch.compile reads the answer, never the compiler's files
 def available() -> bool:
     """Whether the CPU kernel is built (or can be built) here."""
     return _library() is not None
 
 
-@torch.compiler.disable  # C code through ctypes: torch.compile calls it as it is, untraced
 def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Optional[Tensor] = None,
                    gate: Optional[Tensor] = None, phases: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of each query over the keys of its spans, on the CPU kernel.
@@ -54,73 +55,103 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Opti
              so that attentions over disjoint keys merge exactly. A query with no key gets zeros
              and a log-sum-exp of -inf.
 
-    Computed in fp32 whatever the inputs' dtype (one of KERNEL_DTYPES).
+    Computed in fp32 whatever the inputs' dtype (one of KERNEL_DTYPES). The kernel is the custom
+    operator `sparse_attention::span_attention` (its backward `span_attention_backward`), so
+    torch.compile traces through it: new outputs only, no input written.
     """
-    if _library() is None:
+    if not available():
         raise RuntimeError("the span-attention CPU kernel could not be built here (no working C compiler)")
     if k.dim() != q.dim() - 1 or v.shape != k.shape:
         raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not go with queries {tuple(q.shape)}")
     if phases is not None and phases.shape[0] < max(q.shape[-2], k.shape[-2]):
         raise ValueError(f"{phases.shape[0]} rotary phases for {max(q.shape[-2], k.shape[-2])} positions")
-    out, lse = _SpanAttention.apply(q, k, v, spans.to(torch.int32).contiguous(),
-                                    None if weights is None else weights.float(), None if gate is None else gate.float(),
-                                    None if phases is None else phases.float().contiguous())
-    return out.to(q.dtype), lse
+    return _span_attention(q, k, v, spans.to(torch.int32).contiguous(), None if weights is None else weights.float(),
+                           None if gate is None else gate.float(), None if phases is None else phases.float().contiguous())
 
 
-class _SpanAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q_in, k_in, v_in, spans, weights, gate, phases):
-        weights, gate = (None if t is None else t.contiguous() for t in (weights, gate))
-        q, k, v = q_in.float(), k_in.float(), v_in.float()
-        q_rows, v_rows = rows_as_they_lie(q), rows_as_they_lie(v)
-        g, m, d = q.shape[-3:]
-        bh, ctx.split = q.shape[:-3].numel(), q.dim() == 5
-        out, lse = q.new_empty(*q.shape[:-3], g, m, d), q.new_empty(bh, g, m)  # out laid out as [bh, g, m, d]
-        ctx.shape = _shape(bh, g, m, d, k.shape[-2], spans)
-        ctx.pairs = lambda: _pairs(spans, bh)
-        flops.attention(ctx.pairs, g, d)
-        k_t = transposed_tiles(_rotated_keys(k, phases))  # held here: a pointer does not keep its tensor alive
-        status = _library().span_attention_forward(
-            pointer(q_rows), pointer(k_t), pointer(v_rows), pointer(spans), pointer(weights), pointer(gate),
-            pointer(phases), pointer(out), pointer(lse), *ctx.shape, *row_strides(q_rows, ctx.split),
-            *row_strides(v_rows, ctx.split)[1:], ctypes.c_float(d**-0.5), torch.get_num_threads())
-        if status:
-            raise MemoryError("span attention: a thread could not allocate its scores")
-        # q, k and v as given, not their fp32 copies (views of the caller's projection, say, which
-        # the caller keeps or recomputes anyway; in bf16, half the bytes)
-        ctx.save_for_backward(q_in, k_in, v_in, spans, weights, gate, phases, lse)
-        return out, lse
+@torch.library.custom_op("sparse_attention::span_attention", mutates_args=())
+def _span_attention(q_in: Tensor, k_in: Tensor, v_in: Tensor, spans: Tensor, weights: Optional[Tensor],
+                    gate: Optional[Tensor], phases: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """span_attention's kernel call: spans int32, weights, gate and phases fp32 (or None)."""
+    weights, gate = (None if t is None else t.contiguous() for t in (weights, gate))
+    q, k, v = q_in.float(), k_in.float(), v_in.float()
+    q_rows, v_rows = rows_as_they_lie(q), rows_as_they_lie(v)
+    g, m, d = q.shape[-3:]
+    bh, split = q.shape[:-3].numel(), q.dim() == 5
+    out, lse = q.new_empty(*q.shape[:-3], g, m, d), q.new_empty(bh, g, m)  # out laid out as [bh, g, m, d]
+    shape = _shape(bh, g, m, d, k.shape[-2], spans)
+    flops.attention(lambda: _pairs(spans, bh), g, d)
+    k_t = transposed_tiles(_rotated_keys(k, phases))  # held here: a pointer does not keep its tensor alive
+    status = _library().span_attention_forward(
+        pointer(q_rows), pointer(k_t), pointer(v_rows), pointer(spans), pointer(weights), pointer(gate),
+        pointer(phases), pointer(out), pointer(lse), *shape, *row_strides(q_rows, split),
+        *row_strides(v_rows, split)[1:], ctypes.c_float(d**-0.5), torch.get_num_threads())
+    if status:
+        raise MemoryError("span attention: a thread could not allocate its scores")
+    return out.to(q_in.dtype), lse
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q_in, k_in, v_in, spans, weights, gate, phases, lse = ctx.saved_tensors
-        q, k, v = q_in.float(), k_in.float(), v_in.float()
-        q_rows = rows_as_they_lie(q)
-        bh, g, m, d = ctx.shape[:4]
-        threads = torch.get_num_threads()
-        shared_grads = bh % threads == 0  # each thread's rows are whole batch * kv heads: no two add into one key
-        dout = rows_as_they_lie(dout.float())  # the output's gradient as it comes (a transpose of to_out's, say)
-        dlse = None if dlse is None else dlse.float().contiguous()
-        dq = q.new_empty(q.shape)  # laid out as [bh, g, m, d]
-        keys = _rotated_keys(k, phases)
-        dk, dv = (keys.new_empty(1 if shared_grads else threads, *keys.shape) for _ in range(2))  # zeroed in C
-        dweights = None if weights is None else torch.zeros_like(weights)
-        dgate = None if gate is None else torch.empty_like(gate)
-        k_t, v_t = transposed_tiles(keys), transposed_tiles(v).flatten(0, -4)
-        status = _library().span_attention_backward(
-            pointer(q_rows), pointer(keys), pointer(k_t), pointer(v_t), pointer(spans), pointer(weights), pointer(gate),
-            pointer(phases), pointer(lse), pointer(dout), pointer(dlse), pointer(dq), pointer(dk), pointer(dv),
-            pointer(dweights), pointer(dgate), *ctx.shape, int(shared_grads), *row_strides(q_rows, ctx.split),
-            *row_strides(dout, ctx.split)[1:], ctypes.c_float(d**-0.5), threads)
-        if status:
-            raise MemoryError("span attention: a thread could not allocate its probabilities")
-        flops.attention(ctx.pairs, g, d, backward=True)
-        dk, dv = (t[0] if shared_grads else t.sum(0) for t in (dk, dv))
-        if phases is not None:  # the keys' gradient, rotated back
-            _rotate_(dk, phases, inverse=True)
-        return (dq.to(q_in.dtype), dk.view(k.shape).to(k_in.dtype), dv.view(v.shape).to(v_in.dtype), None, dweights,
-                dgate, None)
+
+@_span_attention.register_fake
+def _(q_in, k_in, v_in, spans, weights, gate, phases):
+    *lead, g, m, d = q_in.shape
+    return q_in.new_empty(q_in.shape), q_in.new_empty(math.prod(lead), g, m, dtype=torch.float32)
+
+
+@torch.library.custom_op("sparse_attention::span_attention_backward", mutates_args=())
+def _span_attention_backward(q_in: Tensor, k_in: Tensor, v_in: Tensor, spans: Tensor, weights: Optional[Tensor],
+                             gate: Optional[Tensor], phases: Optional[Tensor], lse: Tensor, dout: Tensor,
+                             dlse: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> dq, dk, dv (in q's, k's and v's dtypes and shapes), dweights and dgate (fp32; empty where
+    weights or gate is None)."""
+    weights, gate = (None if t is None else t.contiguous() for t in (weights, gate))
+    q, k, v = q_in.float(), k_in.float(), v_in.float()
+    q_rows = rows_as_they_lie(q)
+    g, m, d = q.shape[-3:]
+    bh, split = q.shape[:-3].numel(), q.dim() == 5
+    threads = torch.get_num_threads()
+    shared_grads = bh % threads == 0  # each thread's rows are whole batch * kv heads: no two add into one key
+    dout = rows_as_they_lie(dout.float())  # the output's gradient as it comes (a transpose of to_out's, say)
+    dlse = None if dlse is None else dlse.float().contiguous()
+    dq = q.new_empty(q.shape)  # laid out as [bh, g, m, d]
+    keys = _rotated_keys(k, phases)
+    dk, dv = (keys.new_empty(1 if shared_grads else threads, *keys.shape) for _ in range(2))  # zeroed in C
+    dweights = torch.zeros_like(weights) if weights is not None else q.new_empty(0)
+    dgate = torch.empty_like(gate) if gate is not None else q.new_empty(0)
+    k_t, v_t = transposed_tiles(keys), transposed_tiles(v).flatten(0, -4)
+    status = _library().span_attention_backward(
+        pointer(q_rows), pointer(keys), pointer(k_t), pointer(v_t), pointer(spans), pointer(weights), pointer(gate),
+        pointer(phases), pointer(lse), pointer(dout), pointer(dlse), pointer(dq), pointer(dk), pointer(dv),
+        pointer(None if weights is None else dweights), pointer(None if gate is None else dgate),
+        *_shape(bh, g, m, d, k.shape[-2], spans), int(shared_grads), *row_strides(q_rows, split),
+        *row_strides(dout, split)[1:], ctypes.c_float(d**-0.5), threads)
+    if status:
+        raise MemoryError("span attention: a thread could not allocate its probabilities")
+    flops.attention(lambda: _pairs(spans, bh), g, d, backward=True)
+    dk, dv = (t[0] if shared_grads else t.sum(0) for t in (dk, dv))
+    if phases is not None:  # the keys' gradient, rotated back
+        _rotate_(dk, phases, inverse=True)
+    return dq.to(q_in.dtype), dk.view(k.shape).to(k_in.dtype), dv.view(v.shape).to(v_in.dtype), dweights, dgate
+
+
+@_span_attention_backward.register_fake
+def _(q_in, k_in, v_in, spans, weights, gate, phases, lse, dout, dlse):
+    return (q_in.new_empty(q_in.shape), k_in.new_empty(k_in.shape), v_in.new_empty(v_in.shape),
+            *(q_in.new_empty(0 if t is None else t.shape, dtype=torch.float32) for t in (weights, gate)))
+
+
+def _setup_context(ctx, inputs, output):
+    # q, k and v as given, not fp32 copies (views of the caller's projection, say, which the caller
+    # keeps or recomputes anyway; in bf16, half the bytes)
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, spans, weights, gate, phases, lse = ctx.saved_tensors
+    dq, dk, dv, dweights, dgate = _span_attention_backward(q, k, v, spans, weights, gate, phases, lse, dout, dlse)
+    return dq, dk, dv, None, None if weights is None else dweights, None if gate is None else dgate, None
+
+
+_span_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _rotated_keys(k: Tensor, phases: Optional[Tensor]) -> Tensor:
@@ -138,7 +169,7 @@ def _rotated_keys(k: Tensor, phases: Optional[Tensor]) -> Tensor:
 def _rotate_(x: Tensor, phases: Tensor, inverse: bool = False) -> Tensor:
     """x [..., seq, d] (contiguous) rotated in place by the phases of positions 0..seq-1 (or back)."""
     turns = _turns(phases, x.shape[-2])
-    _pairs_of(x).mul_(turns.conj() if inverse else turns)
+    _pairs_of(x).mul_(turns.conj_physical() if inverse else turns)  # a lazy conj() is lost when the op runs under AOTAutograd
     return x
 
 

@@ -1,11 +1,21 @@
-"""Growing buffers for incremental decoding, shared by the attentions.
+"""Caches for incremental decoding, shared by the attentions.
 
-Tensors are stored along their second-to-last dimension (the sequence: keys [b, h, n, d],
-inputs [b, n, dim]) in buffers that grow by doubling, so decoding copies each position once
-instead of the whole cache per token; rolling back is O(1) (later writes overwrite).
+Growing buffers (`append`, `truncate`): tensors are stored along their second-to-last dimension
+(the sequence: keys [b, h, n, d], inputs [b, n, dim]) in buffers that grow by doubling, so
+decoding copies each position once instead of the whole cache per token; rolling back is O(1)
+(later writes overwrite). The position reached is a Python int, cache["pos"].
+
+Static caches (`is_static`, `write`): buffers of a fixed capacity allocated before decoding by the
+attention's `static_cache(batch, capacity, dtype, device)`, and cache["positions"], the positions
+of this step's tokens as a tensor on the device. Nothing in a step depends on how far decoding has
+gone, so its shapes are the same every time and it can be compiled once and replayed as a CUDA
+graph (models/decoding.py). Entries past the current position (never written, or left by a
+rollback) are masked by position, never read.
 """
 
 from torch import Tensor
+
+POSITIONS = "positions"
 
 
 def append(cache: dict, start: int, **tensors: Tensor) -> list[Tensor]:
@@ -30,3 +40,20 @@ def append(cache: dict, start: int, **tensors: Tensor) -> list[Tensor]:
 def truncate(cache: dict, length: int) -> None:
     """Forget every position from `length` on."""
     cache["pos"] = min(cache.get("pos", 0), length)
+
+
+def is_static(cache) -> bool:
+    """Whether `cache` is a static cache (fixed-capacity buffers and the step's positions)."""
+    return cache is not None and POSITIONS in cache
+
+
+def write(cache: dict, **tensors: Tensor) -> list[Tensor]:
+    """Static cache: write each tensor [..., t, d] at cache["positions"] [t] of the buffer of its
+    name [..., capacity, d], in place (in the buffer's dtype); returns the whole buffers."""
+    positions = cache[POSITIONS]
+    buffers = []
+    for name, t in tensors.items():
+        buf = cache[name]
+        buf.index_copy_(buf.dim() - 2, positions, t.to(buf.dtype))
+        buffers.append(buf)
+    return buffers

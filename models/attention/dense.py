@@ -20,7 +20,7 @@ class DenseAttention(nn.Module):
     def __init__(self, *, dim: int, heads: int, dim_head: int, dropout: float = 0.0,
                  mask: Optional[Tensor] = None, rotary: bool = True):
         super().__init__()
-        self.heads = heads
+        self.heads, self.dim_head = heads, dim_head
         self.dropout = dropout
         self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
@@ -28,7 +28,10 @@ class DenseAttention(nn.Module):
         self.register_buffer("mask", mask, persistent=False)  # derived from the config, not learned
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
-        """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds the past keys and values."""
+        """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds the past keys and values (a growing
+        or a static cache, models/attention/cache.py)."""
+        if kv_cache.is_static(cache):
+            return self._static_step(x, cache)
         qkv = rearrange(self.to_qkv(x), "b n (s h d) -> s b h n d", s=3, h=self.heads)
         start = 0 if cache is None else cache.get("pos", 0)
         if self.rotary is None:
@@ -53,3 +56,22 @@ class DenseAttention(nn.Module):
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
     truncate_cache = staticmethod(kv_cache.truncate)
+
+    def static_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> dict:
+        """Zeroed keys and values [batch, heads, capacity, dim_head] for static decoding."""
+        if self.mask is not None:
+            raise ValueError("an attention with a fixed mask (DALL-E's layers) decodes with the growing cache only")
+        return {name: torch.zeros(batch, self.heads, capacity, self.dim_head, dtype=dtype, device=device)
+                for name in ("k", "v")}
+
+    def _static_step(self, x: Tensor, cache: dict) -> Tensor:
+        """x [batch, t, dim] at the positions cache["positions"] [t] -> [batch, t, dim]: every query
+        against the whole capacity, keys after it masked (static shapes)."""
+        positions = cache[kv_cache.POSITIONS]
+        q, k, v = rearrange(self.to_qkv(x), "b n (s h d) -> s b h n d", s=3, h=self.heads)
+        if self.rotary is not None:
+            q, k = self.rotary.at(torch.stack((q, k)), positions)
+        keys, values = kv_cache.write(cache, k=k, v=v)
+        visible = torch.arange(keys.shape[2], device=x.device) <= positions[:, None]  # [t, capacity]
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))

@@ -84,7 +84,12 @@ class RoutingAttention(nn.Module):
         local_k = None if self.to_local_k is None else rearrange(self.to_local_k(x), "b n (h d) -> b h n d",
                                                                     h=self.local_heads)
         clusters = self._route(q[:, self.local_heads :])
-        if cache is None:
+        if kv_cache.is_static(cache):  # a static cache: every query against the whole capacity
+            positions = cache[kv_cache.POSITIONS]
+            q, k = self.rotary.at(q, positions), self.rotary.at(self._keys(q, local_k), positions)
+            k, v, key_clusters = kv_cache.write(cache, k=k, v=v, clusters=clusters[..., None])
+            out = self._attend_cached(q, k.to(q.dtype), v.to(q.dtype), clusters, key_clusters[..., 0], positions)
+        elif cache is None:
             # recomputed in the backward from the projections: the rotated queries and keys, and
             # the sorted layout that keeps each chunk's keys and values twice (next to its own and
             # its successor's queries), would be kept beside them, more than dense attention keeps
@@ -95,10 +100,18 @@ class RoutingAttention(nn.Module):
             if start == 0:
                 out = self._attend_sorted(q, k, v, clusters)
             else:
-                out = self._attend_cached(q, k, v, clusters, key_clusters[..., 0], start)
+                query_pos = torch.arange(start, start + q.shape[2], device=q.device)
+                out = self._attend_cached(q, k, v, clusters, key_clusters[..., 0], query_pos)
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
     truncate_cache = staticmethod(kv_cache.truncate)
+
+    def static_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> dict:
+        """Zeroed keys, values [batch, heads, capacity, dim_head] and clusters [batch, heads,
+        capacity, 1] for static decoding."""
+        d = self.to_v.out_features // self.heads
+        keys = {name: torch.zeros(batch, self.heads, capacity, d, dtype=dtype, device=device) for name in ("k", "v")}
+        return {**keys, "clusters": torch.zeros(batch, self.heads, capacity, 1, dtype=torch.long, device=device)}
 
     def _keys(self, q: Tensor, local_k: Optional[Tensor]) -> Tensor:
         """Keys [b, h, n, d]: the local heads' own, then the routing heads' queries."""
@@ -197,11 +210,11 @@ class RoutingAttention(nn.Module):
         return draws >= self.dropout
 
     def _attend_cached(self, q: Tensor, k: Tensor, v: Tensor, clusters: Tensor, key_clusters: Tensor,
-                       start: int) -> Tensor:
-        """New queries q [b, h, n, d] at [start, start + n) against every cached key k, v
-        [b, h, end, d] with clusters key_clusters [b, h, end]: the same key sets as the parallel pass."""
-        n, end = q.shape[2], k.shape[2]
-        query_pos = torch.arange(start, start + n, device=q.device)
+                       query_pos: Tensor) -> Tensor:
+        """New queries q [b, h, n, d] at positions query_pos [n] against every cached key k, v
+        [b, h, end, d] with clusters key_clusters [b, h, end] (keys after a query are masked): the
+        same key sets as the parallel pass."""
+        end = k.shape[2]
         causal = torch.arange(end, device=q.device)[None, :] <= query_pos[:, None]
         same = (clusters[..., :, None] == key_clusters[..., None, :]) & causal  # [b, h, n, end]
         # same-cluster keys from this key up to the query, the key included

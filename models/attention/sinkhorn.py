@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from kernels import at_least_fp32
 from models.attention import cache as kv_cache
 from models.attention.masked import bucket_pair_attention
 from models.recompute import recomputed
@@ -73,7 +74,9 @@ class SinkhornAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; `cache` holds past inputs, keys, values."""
-        if cache is None:
+        if kv_cache.is_static(cache):
+            out = self._static_step(x, cache)
+        elif cache is None:
             # recomputed in the backward from x (the block's norm output, recomputed too): q, k, v
             # and the bucketed layout, which holds each bucket's keys and values twice (next to its
             # own and as another's extra bucket), would be kept, more than dense attention keeps
@@ -83,6 +86,43 @@ class SinkhornAttention(nn.Module):
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
     truncate_cache = staticmethod(kv_cache.truncate)
+
+    def static_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> dict:
+        """Zeroed inputs [batch, slots, dim], keys and values [batch, heads, slots, dim_head] for
+        static decoding, slots: the capacity rounded up to whole buckets."""
+        slots = -(-capacity // self.bucket) * self.bucket
+        keys = {name: torch.zeros(batch, self.heads, slots, self.dim_head, dtype=dtype, device=device)
+                for name in ("k", "v")}
+        return {"x": torch.zeros(batch, slots, self.to_qkv.in_features, dtype=dtype, device=device), **keys}
+
+    def _static_step(self, x: Tensor, cache: dict) -> Tensor:
+        """x [b, t, dim] at positions cache["positions"] [t] -> the heads' outputs [b, h, t, d]: each
+        query against its bucket's keys and its earlier block (the previous bucket, or the sorted
+        one, mixed over every bucket of the capacity: the mixing weights of later buckets are 0, and
+        causal balancing keeps each row independent of later rows, so the rows read are the parallel
+        pass's), gathered by position (static shapes)."""
+        B, positions = self.bucket, cache[kv_cache.POSITIONS]
+        qkv = rearrange(self.to_qkv(x), "b n (s h d) -> s b h n d", s=3, h=self.heads)
+        (q, k), v = self.rotary.at(qkv[:2], positions), qkv[2]
+        xs, k, v = kv_cache.write(cache, x=x, k=k, v=v)
+        bucket = positions // B  # [t]
+        offsets = torch.arange(B, device=x.device)
+        own = bucket[:, None] * B + offsets  # [t, B] key positions
+        previous = (bucket[:, None] - 1).clamp(min=0) * B + offsets
+        keys, values = (torch.cat((t[:, :, previous], t[:, :, own]), dim=3).to(q.dtype) for t in (k, v))  # [b, h, t, 2B, d]
+        if self.sort_heads:  # the sorted bucket replaces the previous one in the Sinkhorn heads
+            buckets = k.shape[2] // B
+            rows = self._sort_matrix(xs, buckets)[:, :, (bucket - 1).clamp(min=0)]  # [b, hs, t, buckets]
+            sorted_k, sorted_v = (torch.einsum("bhij,bhjnd->bhind", rows.to(q.dtype),
+                                               t[:, self.local_heads :].to(q.dtype).unflatten(2, (buckets, B)))
+                                  for t in (k, v))
+            keys = torch.cat((keys[:, : self.local_heads], torch.cat((sorted_k, keys[:, self.local_heads :, :, B:]), 3)), 1)
+            values = torch.cat((values[:, : self.local_heads],
+                                torch.cat((sorted_v, values[:, self.local_heads :, :, B:]), 3)), 1)
+        visible = torch.cat(((bucket > 0)[:, None].expand(-1, B), own <= positions[:, None]), dim=1)  # [t, 2B]
+        scores = at_least_fp32(torch.einsum("bhtd,bhtkd->bhtk", q * self.dim_head**-0.5, keys))
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        return torch.einsum("bhtk,bhtkd->bhtd", weights.to(values.dtype), values)
 
     def _project_and_attend(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [b, n, dim] -> the heads' outputs [b, h, n, d]."""
@@ -141,11 +181,12 @@ class SinkhornAttention(nn.Module):
 
     def _sort_matrix(self, x: Tensor, complete: int) -> Tensor:
         """Soft permutation [b, hs, complete, complete]: row r belongs to query bucket r + 1 and
-        mixes buckets j <= r. Computed in fp32."""
+        mixes buckets j <= r. Computed in fp32 at least (fp64 stays fp64: a static cache's step
+        balances more rows than the parallel pass, and the rows they share must agree to round-off)."""
         B = self.bucket
         means = x[:, : complete * B].unflatten(1, (complete, B)).mean(dim=2)  # [b, buckets, dim]
         sort_q, sort_k = rearrange(self.to_sort(means), "b m (s h d) -> s b h m d", s=2, h=self.sort_heads)
-        scores = (sort_q @ sort_k.transpose(-1, -2)).float() / math.sqrt(self.dim_head)
+        scores = at_least_fp32(sort_q @ sort_k.transpose(-1, -2)) / math.sqrt(self.dim_head)
         return sinkhorn(scores, self.sinkhorn_iter, self.temperature, noise=self.training)
 
 

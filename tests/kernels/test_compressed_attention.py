@@ -257,3 +257,19 @@ def test_the_fused_selection_kernel_is_chosen_by_device_and_knob():
     assert fused_selection_kernel(q, "triton") == "triton"
     assert fused_selection_kernel(q, "auto") == ("cpu" if cpu_selection_available() else None)
     assert fused_selection_kernel(q.double(), "auto") is None  # the C kernel computes in fp32: float64 stays exact
+
+
+@pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
+@pytest.mark.parametrize("m", [29, 3])
+def test_the_custom_operator_passes_opcheck(m):
+    """sparse_attention::compressed_selection under torch.library.opcheck: the schema (no input
+    written, no output aliasing an input), the fake implementation against the kernel, the
+    autograd registration and AOTAutograd tracing with dynamic shapes, for a strided query view of
+    a projection and for no complete block."""
+    gen = torch.Generator().manual_seed(8)
+    b, h, g, d, block, stride = 2, 2, 2, 16, 4, 4
+    blocks = max(0, (m - block) // stride + 1)
+    projection = torch.randn(b, m, h * g * d, generator=gen)
+    q = projection.unflatten(-1, (h, g, d)).permute(0, 2, 3, 1, 4).requires_grad_()  # [b, h, g, m, d], strided
+    kc, vc = (torch.randn(b * h, blocks, d, generator=gen, requires_grad=True) for _ in range(2))
+    torch.library.opcheck(torch.ops.sparse_attention.compressed_selection.default, (q, kc, vc, block, stride, 4, 3, 2))

@@ -195,3 +195,34 @@ def test_bad_phases_and_key_shapes_are_refused():
         span_attention(q.float(), k.float(), v.float(), spans, phases=torch.zeros(10, 12, 2))
     with pytest.raises(ValueError, match="do not go with"):
         span_attention(q.float()[None], k.float(), v.float(), spans)
+
+
+@pytest.mark.parametrize("layout", ["flat", "views"])
+def test_the_custom_operators_pass_opcheck(layout):
+    """sparse_attention::span_attention and its backward under torch.library.opcheck: the schema
+    (no input written, no output aliasing an input), the fake implementation's shapes, dtypes and
+    strides against the kernel's, the autograd registration, and AOTAutograd tracing with dynamic
+    shapes; with weights, gate and rotary phases, on contiguous inputs and on strided views of one
+    projection (as NSA passes them)."""
+    from models.rotary import Rotary
+
+    gen = torch.Generator().manual_seed(7)
+    b, h, g, m, d = 2, 2, 2, 21, 16
+    if layout == "flat":
+        q, k, v = (t.float() for t in inputs(bh=b * h, g=g, m=m, d=d))
+    else:
+        projection = torch.randn(b, m, (g + 2) * h * d, generator=gen)
+        q = projection[..., : h * g * d].unflatten(-1, (h, g, d)).permute(0, 2, 3, 1, 4)  # [b, h, g, m, d]
+        k, v = projection[..., h * g * d :].unflatten(-1, (2, h, d)).permute(2, 0, 3, 1, 4)  # [b, h, m, d] each
+    spans = window_and_blocks(m, window=5, block=4).to(torch.int32)
+    weights = 1 + torch.rand(b * h, m, 3, generator=gen)
+    gate = torch.rand(b * h, g, m, generator=gen)
+    phases = Rotary(d).phases(m, "cpu").contiguous()
+    q, k, v, weights, gate = (t.detach().requires_grad_() for t in (q, k, v, weights, gate))
+    forward = torch.ops.sparse_attention.span_attention.default
+    torch.library.opcheck(forward, (q, k, v, spans, weights, gate, phases))
+    torch.library.opcheck(forward, (q, k, v, spans, None, None, None))
+    out, lse = forward(q, k, v, spans, weights, gate, phases)
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    torch.library.opcheck(torch.ops.sparse_attention.span_attention_backward.default,
+                          tuple(t.detach() for t in (q, k, v, spans, weights, gate, phases, lse, dout, dlse)))

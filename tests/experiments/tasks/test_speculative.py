@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments.tasks.speculative import SpeculativeTask, distillation_kl
+from experiments.runtime.errors import UserError
+from experiments.tasks.speculative import SpeculativeTask, compare_decoding, distillation_kl
 from models.lm import transformer_lm
 from models.transformer import IGNORE
 from tests.helpers.gpu import PRECISIONS, assert_loss_falls, train_on_cuda
@@ -36,8 +37,8 @@ def _pair_task(distill_weight):
     torch.manual_seed(0)
     target = transformer_lm(num_tokens=16, dim=16, depth=1, heads=2, dim_head=8)
     draft = transformer_lm(num_tokens=16, dim=16, depth=1, heads=2, dim_head=8)
-    task = SpeculativeTask(gamma=2, distill_weight=distill_weight, prime_length=2, generate_length=2, num_samples=1,
-                           temperature=0.0, top_k=None, randomly_truncate_sequence=False)
+    task = SpeculativeTask(gamma=2, distill_weight=distill_weight, engine="auto", prime_length=2, generate_length=2,
+                           num_samples=1, temperature=0.0, top_k=None, randomly_truncate_sequence=False)
     members = [SimpleNamespace(trainee=SimpleNamespace(forward=m), model=m) for m in (target, draft)]
     task.attach(SimpleNamespace(members=members))
     tokens = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -72,6 +73,33 @@ def test_without_distillation_the_draft_learns_from_the_data_alone():
     loss, extras = task.loss(draft, batch)
     ce = F.cross_entropy(draft.model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
     assert torch.allclose(loss, ce) and extras == {}
+
+
+def test_the_static_engines_decode_the_growing_caches_tokens():
+    """compare_decoding on static-cache engines (eager, as on the CPU): the plain and speculative
+    outputs of the growing cache's greedy decoding, and figures for both."""
+    torch.manual_seed(0)
+    target = transformer_lm(num_tokens=16, dim=16, depth=2, heads=2, dim_head=8).eval()
+    draft = transformer_lm(num_tokens=16, dim=16, depth=1, heads=2, dim_head=8).eval()
+    prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(2))
+    growing = compare_decoding(target, draft, prompt, 12, 3, 0.0, None)
+    static = compare_decoding(target, draft, prompt, 12, 3, 0.0, None, engine="static")
+    assert torch.equal(static["plain"], growing["plain"]) and torch.equal(static["speculative"], growing["plain"])
+    assert static["same_output"] and static["speedup"] > 0 and static["accepted_per_step"] >= 0
+
+
+@pytest.mark.parametrize("engine,temperature,message", [
+    ("static", 0.7, "task.engine=static decodes greedily: set temperature 0"),
+    ("graphs", 0.0, "task.engine=graphs replays CUDA graphs: on the CPU use engine static, compiled or cache"),
+])
+def test_an_engine_that_cannot_serve_is_refused_at_setup(engine, temperature, message):
+    if engine == "graphs" and torch.cuda.is_available():
+        pytest.skip("checks the message a CPU-only machine gives")
+    task = SpeculativeTask(gamma=2, distill_weight=0.0, engine=engine, prime_length=2, generate_length=2,
+                           num_samples=1, temperature=temperature, top_k=None, randomly_truncate_sequence=False)
+    task.attach(SimpleNamespace(backend=SimpleNamespace(device=torch.device("cpu"))))
+    with pytest.raises(UserError, match=message):
+        task.setup({"": None, "draft_": None})
 
 
 SPEC_TINY = ["experiment=speculative", "model.depth=2", "draft.depth=1", "model.dim=32", "draft.dim=32",
@@ -115,6 +143,15 @@ def test_speculative_task_trains_both_and_times_both_decoders(tmp_path):
                           "--length", "16", "--gamma", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "speedup" in out.stdout and "of 3 draft tokens" in out.stdout
+
+    # the benchmark's calls on the static engine, its greedy tokens those of the growing cache
+    out = subprocess.run([sys.executable, "-m", "experiments.benchmark_speculative", "--models", "--run", str(run),
+                          "--engine", "static", "--primes", "1", "--repeat", "1", "--length", "12", "--threads", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "greedy output equal to plain decoding's: True" in out.stdout
+    assert "plain greedy output equal to the growing cache's (eager): True" in out.stdout
+    assert "verification of 6 tokens" in out.stdout and "engine static" in out.stdout
 
 
 @pytest.mark.gpu
