@@ -63,8 +63,9 @@ HOST_READS = {"_local_scalar_dense", "item"}
 
 
 def op_kind(func) -> str:
-    """What an aten op costs on a GPU: "view" (metadata only), "allocation", "none" (returns no
-    tensor), "host" (the host reads a value), or a launch: "matmul", "attention" or "glue"."""
+    """What an aten op costs on a GPU: "view" (metadata only), "allocation", "none" (neither returns
+    nor writes a tensor), "host" (the host reads a value), or a launch: "matmul", "attention" or
+    "glue" (an in-place foreach op returns nothing and launches)."""
     name = op_name(func)
     if name in HOST_READS:
         return "host"
@@ -72,7 +73,8 @@ def op_kind(func) -> str:
         return "view"
     if name in ALLOCATIONS:
         return "allocation"
-    if not any("Tensor" in str(r.type) for r in func._schema.returns) and torch.Tag.data_dependent_output not in func.tags:
+    returns = any("Tensor" in str(r.type) for r in func._schema.returns)
+    if not (returns or any(map(_writes, func._schema.arguments)) or torch.Tag.data_dependent_output in func.tags):
         return "none"
     if name in MATMULS:
         return "matmul"
@@ -167,6 +169,7 @@ class OpCounts:
                          f"{list(self.largest.shape)} {str(self.largest.dtype).removeprefix('torch.')}")
         if self.aten:
             lines.append(f"most launches: {_listed(Counter(dict(self.aten.most_common(top))))}")
+        if self.glue_by_op:
             lines.append(f"most glue: {', '.join(f'{op} {b / mib:,.2f} MiB' for op, b in self.glue_by_op.most_common(top))}")
         for launch in self.reported:
             pairs = f"visited/needed {launch.visited / launch.needed:.2f}" if launch.needed else "not attention"
@@ -219,8 +222,7 @@ class _Counter(TorchDispatchMode):
         if kind in ("view", "none", "host"):
             return
         outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
-        mutates = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-        if not mutates:  # a new tensor (an in-place op's result is its argument)
+        if not any(map(_writes, func._schema.arguments)):  # a new tensor (an in-place op's result is its argument)
             for t in outputs:
                 size = t.numel() * t.element_size()
                 if self.counts.largest is None or size > self.counts.largest.bytes:
@@ -228,7 +230,7 @@ class _Counter(TorchDispatchMode):
         if kind == "allocation":
             return
         self.counts.aten[name] += 1
-        moved = sum(map(distinct_bytes, _read(func, args, kwargs))) + sum(map(distinct_bytes, outputs))
+        moved = sum(map(distinct_bytes, [*_read(func, args, kwargs), *_written(func, args, kwargs, outputs)]))
         if kind == "matmul":
             self.counts.matmul_bytes += moved
         elif kind == "attention":
@@ -240,17 +242,26 @@ class _Counter(TorchDispatchMode):
 def _read(func, args, kwargs) -> list[torch.Tensor]:
     """The tensor arguments an op reads: all but those it only writes (copy_'s and fill_'s
     destination, out= arguments)."""
-    schema = func._schema.arguments
-    named = [(arg, value) for arg, value in zip(schema, args)]
-    named += [(arg, kwargs[arg.name]) for arg in schema if arg.name in kwargs]
     write_only = op_name(func) in WRITE_ONLY
-    read = []
-    for arg, value in named:
-        written = arg.alias_info is not None and arg.alias_info.is_write
-        if written and (write_only or arg.is_out):
-            continue
-        read += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-    return read
+    return [t for arg, value in _arguments(func, args, kwargs) if not (_writes(arg) and (write_only or arg.is_out))
+            for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _written(func, args, kwargs, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors an op writes: its results, or, for an in-place op that returns nothing (the
+    foreach ops), the arguments it writes."""
+    return outputs or [t for arg, value in _arguments(func, args, kwargs) if _writes(arg)
+                       for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _arguments(func, args, kwargs) -> list[tuple[Any, Any]]:
+    """(schema argument, value) of each argument passed."""
+    schema = func._schema.arguments
+    return [*zip(schema, args), *((arg, kwargs[arg.name]) for arg in schema if arg.name in kwargs)]
+
+
+def _writes(arg) -> bool:
+    return arg.alias_info is not None and arg.alias_info.is_write
 
 
 @contextmanager

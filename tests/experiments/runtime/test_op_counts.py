@@ -70,6 +70,13 @@ def test_an_in_place_op_reads_and_writes_its_argument_and_creates_nothing():
     assert counts.aten == {"add_": 1} and counts.glue_bytes == 3 * nbytes(x) and counts.largest is None
 
 
+def test_an_in_place_foreach_op_launches_though_it_returns_nothing():
+    tensors = [torch.randn(8), torch.randn(4, 4)]
+    with count_ops() as counts:
+        torch._foreach_mul_(tensors, 0.5)
+    assert counts.aten == {"_foreach_mul_": 1} and counts.glue_bytes == 2 * nbytes(*tensors)
+
+
 def test_values_the_host_waits_for_are_syncs():
     x = torch.randn(16)
     with count_ops() as counts:
