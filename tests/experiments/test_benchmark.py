@@ -1,5 +1,7 @@
 """The training-step benchmark measures what it names, in the precision it is asked for."""
 
+import argparse
+
 import pytest
 
 from experiments import benchmark
@@ -38,3 +40,25 @@ def test_a_gpu_measurement_runs_on_the_device_and_reads_its_memory(model):
     row = benchmark.measure(model, seq=256, batch=2, steps=1, threads=1, extra=TINY, precision="bf16", device="cuda")
     assert row["device"] == "cuda" and row["step_s"] > 0
     assert 0 < row["peak_mem_mb"] < 4096  # the device's tensors, not the process's resident memory
+
+
+def test_a_counted_step_launches_its_optimizer_in_a_few_ops_whatever_the_depth():
+    """AdamW counts as on CUDA, where torch picks its foreach path: the optimizer's launches do not
+    grow with the parameters, the forward's and backward's do."""
+    shallow, deep = (benchmark.count_step("transformer", seq=32, batch=1, threads=1,
+                                          extra=[*TINY[:1], f"model.depth={depth}", *TINY[2:]])
+                     for depth in (1, 2))
+    assert 0 < shallow["optimizer"].launches == deep["optimizer"].launches < 20
+    assert 0 < shallow["forward"].launches < deep["forward"].launches
+    assert shallow["forward"].launches < shallow["backward"].launches < deep["backward"].launches
+    assert not any(part.triton for part in shallow.values())
+
+
+@pytest.mark.triton
+def test_the_step_count_prints_each_part_and_nsas_triton_launches(capsys):
+    args = argparse.Namespace(precision="fp32", batch=1, threads=1, override=TINY)
+    benchmark.print_step_counts(["transformer", "nsa"], [32], args, "cpu")
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[3:5]}
+    for name, (seq, forward, backward, optimizer, total, triton, syncs) in rows.items():
+        assert seq == "32" and int(forward) + int(backward) + int(optimizer) == int(total)
+        assert (int(triton) > 0) == (name == "nsa")
