@@ -34,7 +34,8 @@ are not glue.
 
 Triton launches are seen where Triton starts them (JITFunction.run, or the interpreter's under
 TRITON_INTERPRET=1), whether or not their launch site reports a Launch; the interpreter's own
-copies of the arguments are not counted, nor are an autotuner's benchmark runs.
+copies of the arguments are not counted, nor are an autotuner's benchmark runs, nor what a launch
+site does inside kernels.counters.bookkeeping() to report its launch.
 """
 
 import math
@@ -195,10 +196,11 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace not in ("aten", "prims") and not self.paused:
+        counted = not (self.paused or counters.in_bookkeeping())
+        if func.namespace not in ("aten", "prims") and counted:
             return self._custom_op(func, args, kwargs)
         result = func(*args, **kwargs)
-        if not self.paused:
+        if counted:
             self._count(func, args, kwargs, result)
         return result
 
