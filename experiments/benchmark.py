@@ -222,7 +222,7 @@ def count_step(model_name: str, seq: int, batch: int, threads: int, extra: list[
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    tokens = ByteText(seq_len=seq, cache_dir=cfg.data.cache_dir).train_batch(batch, seed=0, step=0).to(device)
+    tokens = ByteText(seq_len=seq).train_batch(batch, seed=0, step=0).to(device)
     with count_ops() as forward_counts:
         loss = training_loss(forward, tokens, precision, dev)
     with count_ops() as backward_counts:

@@ -3,6 +3,7 @@
 import argparse
 
 import pytest
+import torch
 
 from experiments import benchmark
 from experiments.runtime import throughput
@@ -57,7 +58,7 @@ def test_a_counted_step_launches_its_optimizer_in_a_few_ops_whatever_the_depth()
 @pytest.mark.triton
 def test_the_step_count_prints_each_part_and_nsas_triton_launches(capsys):
     args = argparse.Namespace(precision="fp32", batch=1, threads=1, override=TINY)
-    benchmark.print_step_counts(["transformer", "nsa"], [32], args, "cpu")
+    benchmark.print_step_counts(["transformer", "nsa"], [32], args, "cuda" if torch.cuda.is_available() else "cpu")
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[3:5]}
     for name, (seq, forward, backward, optimizer, total, triton, syncs) in rows.items():
         assert seq == "32" and int(forward) + int(backward) + int(optimizer) == int(total)

@@ -25,6 +25,7 @@ VISITED_OVER_NEEDED = 1.3  # per attention kernel launch: (query, key) pairs in 
 ROWS = 64  # query rows (positions x heads of a GQA group) per program: Hopper's tensor cores need 64
 
 DTYPE = torch.bfloat16
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on a GPU the counts are the GPU's own
 PHASES = ("fwd+bwd", "no-grad fwd")
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
@@ -38,8 +39,8 @@ def setting(request) -> dict:
 @pytest.fixture(scope="module")
 def counts(setting) -> dict[str, OpCounts]:
     torch.manual_seed(0)
-    layer = nsa_layer("triton", setting).to(DTYPE)
-    return count_layer(layer, COUNT_TOKENS, DTYPE, torch.device("cpu"))
+    layer = nsa_layer("triton", setting).to(DEVICE, DTYPE)
+    return count_layer(layer, COUNT_TOKENS, DTYPE, DEVICE)
 
 
 def reported(counts: OpCounts):

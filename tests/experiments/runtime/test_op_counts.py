@@ -14,6 +14,9 @@ from experiments.runtime.op_counts import count_ops, distinct_bytes
 from kernels.counters import Launch, bookkeeping, record
 
 
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU, in Triton's interpreter
+
+
 def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -141,7 +144,7 @@ def double(x: torch.Tensor, report: bool) -> torch.Tensor:
 
 @pytest.mark.triton
 def test_a_triton_launch_counts_once_with_its_report_and_without_the_interpreters_copies():
-    x = torch.randn(16)
+    x = torch.randn(16, device=TRITON_DEVICE)
     with count_ops() as counts:
         y = double(x, report=True)
     assert torch.equal(y, 2 * x)
@@ -162,7 +165,7 @@ def double_exp(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.triton
 def test_a_triton_op_counts_its_kernel_and_its_aten_ops():
-    x = torch.randn(16)
+    x = torch.randn(16, device=TRITON_DEVICE)
     with count_ops() as counts:
         out = double_exp(x)
     assert torch.allclose(out, (2 * x).exp())
