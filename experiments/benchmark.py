@@ -11,6 +11,7 @@ overhead, and each model's speed as a ratio to the dense transformer measured in
     python -m experiments.benchmark --models nsa transformer --seq 8192 --batch 1 --tensor-peak
     python -m experiments.benchmark --models sinkhorn ref:sinkhorn routing ref:routing
     python -m experiments.benchmark --device cuda --precision bf16 --seq 8192 32768 --batch 1   # on a GPU
+    python -m experiments.benchmark --count                           # launches per training step
 
 Models are composed from conf/ exactly as train.py composes them (bench config: vocab 256,
 dim 256, depth 4, heads 4, dim_head 64; each attention adds its conf/model/<name>.yaml knobs;
@@ -29,6 +30,14 @@ CUDA the peak is `torch.cuda.max_memory_allocated` (tensors alone), steps are ti
 completion, and MFU is against a square matrix product measured in the step's precision (bf16 under
 --precision bf16); on the CPU, against the fp32 product, as before.
 
+--count counts what one training step (forward and loss, backward, optimizer step) would launch on
+a GPU, on the CUDA code path (experiments/runtime/op_counts.py): aten ops that launch a kernel, and
+Triton kernels (NSA with model.kernel=triton; on a CPU in Triton's interpreter, TRITON_INTERPRET=1,
+set here; AdamW with foreach, as torch picks it on CUDA), after a step that creates the optimizer's
+state. By default at the seed's size (dim 512, depth 6, 8 heads of 64), 512 tokens, batch 1; every
+launch on a GPU costs microseconds of host time, so a small model's step is bound by their number.
+Under --precision bf16 the casts are CPU autocast's, close to CUDA's but not the same list.
+
 `ref:sinkhorn` and `ref:routing` measure the reference packages (sinkhorn-transformer 0.11.4,
 routing-transformer 1.6.1) at the same config, when they are installed; they are not
 dependencies of this project: `pip install sinkhorn-transformer==0.11.4 routing-transformer==1.6.1`.
@@ -44,9 +53,11 @@ from typing import Optional
 from experiments.config import register
 from experiments.config.checks import composition_error, flag_error
 from experiments.runtime import allocator
+from experiments.runtime.op_counts import interpret_triton_here
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 BENCH = ["model.num_tokens=256", "model.dim=256", "model.depth=4", "model.heads=4", "model.dim_head=64"]
+SEED_SIZE = ["model.dim=512", "model.depth=6", "model.heads=8", "model.dim_head=64"]  # --count's default size
 
 
 def bench_overrides(model_name: str, seq: int) -> list[str]:
@@ -104,6 +115,15 @@ def autocast(precision: str, device: str = "cpu"):
     return contextlib.nullcontext() if precision == "fp32" else torch.autocast(device, dtype=torch.bfloat16)
 
 
+def training_loss(forward, tokens, precision: str, device: "torch.device"):
+    """The LM loss of one batch of tokens [batch, seq + 1], in the step's precision."""
+    import torch.nn.functional as F
+
+    with autocast(precision, device.type):
+        logits, aux = forward(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux
+
+
 def synced(step, device):
     """step, waiting for the device to finish it: a host clock around it then times the work."""
     from experiments.runtime.throughput import sync
@@ -121,7 +141,6 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
     timed steps and of those after them until it settles (model, optimizer state, activations, the
     C heap), not of the FLOP counting after them."""
     import torch
-    import torch.nn.functional as F
     from hydra.utils import instantiate
 
     from experiments.data.text import ByteText
@@ -136,10 +155,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
     dev = torch.device(device)
 
     def step():
-        with autocast(precision, dev.type):
-            logits, aux = forward(batch_tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch_tokens[:, 1:].flatten()) + aux
-        loss.backward()
+        training_loss(forward, batch_tokens, precision, dev).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -188,6 +204,68 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
         "loop_overhead": round(loop_s / step_s, 4),
         "activation_mb": round(activation_mb, 1),
     }
+
+
+def count_step(model_name: str, seq: int, batch: int, threads: int, extra: list[str], precision: str = "fp32",
+               device: str = "cpu") -> dict:
+    """What one training step launches on the CUDA code path, in this process: {"forward" (and
+    the loss), "backward", "optimizer" (step and zeroing): OpCounts}, after a first optimizer step
+    on zero gradients has created the optimizer's state."""
+    import torch
+    from hydra.utils import instantiate
+
+    from experiments.data.text import ByteText
+    from experiments.runtime.op_counts import count_ops
+
+    cfg, model, forward = build(model_name, seq, threads, extra, device)
+    dev = torch.device(device)
+    # on CUDA torch's AdamW picks its foreach path (a few launches for all parameters); on the CPU, a loop
+    optimizer = instantiate(cfg.optimizer)(model.parameters(), **({"foreach": True} if dev.type == "cpu" else {}))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tokens = ByteText(seq_len=seq).train_batch(batch, seed=0, step=0).to(device)
+    with count_ops() as forward_counts:
+        loss = training_loss(forward, tokens, precision, dev)
+    with count_ops() as backward_counts:
+        loss.backward()
+    with count_ops() as optimizer_counts:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"forward": forward_counts, "backward": backward_counts, "optimizer": optimizer_counts}
+
+
+def print_step_counts(models: list[str], seqs: list[int], args, device: str) -> None:
+    """One row per model and length: the launches of each part of a training step."""
+    import torch
+
+    from experiments.runtime.throughput import device_name
+
+    interpreted = " (Triton kernels in Triton's interpreter)" if device == "cpu" else ""
+    print(f"counted on {device_name(torch.device(device))}{interpreted}: what one training step launches on a GPU, "
+          f"{args.precision}, batch {args.batch}")
+    header = (f"{'model':<14} {'seq':>6} {'forward':>8} {'backward':>8} {'optimizer':>9} {'launches':>8} "
+              f"{'Triton':>6} {'syncs':>5}")
+    print(header)
+    print("-" * len(header))
+    for seq in seqs:
+        for name in models:
+            parts = count_step(name, seq, args.batch, args.threads, [*model_overrides(name), *args.override],
+                               args.precision, device)
+            triton = sum(len(c.triton) for c in parts.values())
+            # AdamW reads its step counts with .item(): CPU tensors on CUDA too, so no wait there
+            syncs = sum(sum(parts[part].syncs.values()) for part in ("forward", "backward"))
+            forward, backward, optimizer = (parts[part].launches for part in ("forward", "backward", "optimizer"))
+            print(f"{name:<14} {seq:>6} {forward:>8,} {backward:>8,} {optimizer:>9,} "
+                  f"{forward + backward + optimizer:>8,} {triton:>6,} {syncs:>5,}")
+    print("(launches: aten ops that launch a kernel, and Triton kernels, Triton's among them; a few aten ops launch "
+          "more than one on CUDA, so a floor; syncs: device values the host waits for in the forward and backward)")
+
+
+def model_overrides(name: str) -> list[str]:
+    """--count's defaults for a model: the seed's size, and NSA on its Triton kernels (the CUDA path)."""
+    return [*SEED_SIZE, *(["model.kernel=triton"] if name == "nsa" else [])]
 
 
 def measure_decode(model_name: str, context: int, batch: int, steps: int, threads: int, extra: list[str],
@@ -287,9 +365,10 @@ def saved_activation_bytes(forward, tokens) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["transformer", "nsa"])
-    parser.add_argument("--seq", type=int, nargs="+", default=[1024],
-                        help="sequence lengths (with --decode: the cached context before each step)")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, nargs="+",
+                        help="sequence lengths, default 1024, with --count 512 (with --decode: the cached context "
+                             "before each step)")
+    parser.add_argument("--batch", type=int, help="default 4, with --count 1")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1, help="interleaved rounds; the median round is shown")
@@ -303,14 +382,21 @@ def main() -> None:
     parser.add_argument("--tensor-peak", action="store_true",
                         help="also the peak of live tensors over one more step (training only)")
     parser.add_argument("--override", nargs="*", default=[], help="extra config overrides, e.g. model.num_fine_selected=8")
+    parser.add_argument("--count", action="store_true",
+                        help="count what one training step launches (at the seed's size, 512 tokens, batch 1)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: print one JSON row
     args = parser.parse_args()
+    args.seq = args.seq or ([512] if args.count else [1024])
+    args.batch = args.batch or (1 if args.count else 4)
     if error := flag_error({flag: ("count", value) for flag, value in (
             ("--batch", args.batch), ("--steps", args.steps), ("--threads", args.threads), ("--repeat", args.repeat),
             ("--seq", min(args.seq)))}):
         parser.error(error)
     if args.decode and args.tensor_peak:
         parser.error("--tensor-peak measures a training step: leave out --decode")
+    if args.count and (args.decode or args.tensor_peak or args.plot or args.profile):
+        parser.error("--count counts what a training step launches: leave out --decode, --tensor-peak, --plot "
+                     "and --profile")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -320,6 +406,11 @@ def main() -> None:
         parser.error("--tensor-peak reads the CPU's allocations: on CUDA the peak column counts tensors alone already")
     if not args.one and (problem := config_problem(args.models, args.override)):
         parser.error(problem)
+    if args.count:
+        if device == "cpu" and (problem := interpret_triton_here()):
+            parser.error(problem)
+        print_step_counts(args.models, args.seq, args, device)
+        return
 
     if args.one:
         common = (args.models[0], args.seq[0], args.batch, args.steps, args.threads, args.override, args.precision,

@@ -6,11 +6,13 @@ it must move) against the time its kernels take, so the gap to the device's limi
     python -m experiments.benchmark_kernels                       # GPU: both settings, 8k..64k, bf16
     python -m experiments.benchmark_kernels --setting small --lengths 32768
     python -m experiments.benchmark_kernels --device cpu --setting tiny --lengths 256 --dtype fp32
+    python -m experiments.benchmark_kernels --count           # what one layer launches (a CPU can count it)
 
 Settings: `paper` is the NSA paper's kernel setting (dim 1024; 64 query heads over 4 KV heads,
 dim_head 128; compressed blocks of 32 every 16; 16 selected blocks of 64; window 512); `small` the
 seed's shape (dim 512; 8 query heads over 4 KV heads, dim_head 64; the same NSA knobs); `tiny` a
-shape for checking the script itself on a CPU. Batch 1, one layer in --dtype (parameters and
+shape for checking the script itself on a CPU; `count` and `count16` the shapes --count runs
+(below). Batch 1, one layer in --dtype (parameters and
 activations). Timings are medians of CUDA events after warm-up (a host clock on the CPU); every
 ratio is against the dense layer of the same run. The device's ceilings are measured first: a
 large matrix product and a large copy.
@@ -26,20 +28,42 @@ TRITON_INTERPRET=1): compressed = attention over the compressed blocks + block s
 selected = the freely chosen blocks (the forced ones, tiled attention in torch, not included),
 window = the sliding window. FLOPs count 2 per multiply-add, the backward 2.5x the forward (q.k
 recomputed, dp, dq, dk, dv); bytes are each input read once and each output written once.
+
+--count runs one layer forward + backward, then its no-grad forward, on the CUDA code path (NSA
+with kernel=triton; on a CPU the Triton kernels run in Triton's interpreter, TRITON_INTERPRET=1,
+set here) and prints what a GPU would be asked to do (experiments/runtime/op_counts.py): launches
+(aten ops and Triton kernels), host syncs, glue bytes (elementwise, copy and reduction traffic
+between kernels) against the bytes of q, k, v and the output, matrix-product bytes, the largest
+intermediate tensor against q, and each Triton launch's grid, tile and visited/needed (query, key)
+pairs as its launch site reports them (kernels/counters.py). Nothing is timed: the figures are the
+same on any machine, and tests/kernels/test_nsa_budgets.py holds NSA's to budgets. `count` has
+the seed's GQA group of 2, `count16` the paper's group of 16 and dim_head 128, at 512 tokens
+(Triton's interpreter takes minutes beyond): fine blocks of 64 as the paper's, 8 of them selected,
+compressed blocks of 8 every 4 and a window of 256, so that 512 tokens hold 127 compressed blocks
+(as 2,048 do at the paper's 32 every 16) and a window of four 64-key tiles: the ragged edges of
+the masks, which tiles cannot follow, then cost a well-tiled kernel under 1.3x the pairs it needs,
+as at the paper's lengths.
 """
 
 import argparse
 import inspect
 import sys
+import textwrap
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
-from experiments.config.checks import flag_error
-from experiments.runtime.backends import DTYPES
+from experiments.runtime.op_counts import OpCounts, count_ops, interpret_triton_here
+
+if __name__ == "__main__" and "--count" in sys.argv[1:]:
+    interpret_triton_here()  # before the imports below import triton (main() says so if it could not)
+
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+from experiments.config.checks import flag_error  # noqa: E402
+from experiments.runtime.backends import DTYPES  # noqa: E402
 
 NSA_KNOBS = dict(compress_block_size=32, compress_stride=16, fine_block_size=64, num_fine_selected=16,
                  sliding_window_size=512)
@@ -49,6 +73,12 @@ SETTINGS = {
     "tiny": dict(dim=64, heads=4, kv_heads=2, dim_head=16, compress_block_size=8, compress_stride=4,
                  fine_block_size=16, num_fine_selected=4, sliding_window_size=32),
 }
+COUNT_KNOBS = dict(compress_block_size=8, compress_stride=4, fine_block_size=64, num_fine_selected=8,
+                   sliding_window_size=256)
+SETTINGS["count"] = dict(dim=128, heads=2, kv_heads=1, dim_head=64, **COUNT_KNOBS)
+SETTINGS["count16"] = dict(dim=256, heads=16, kv_heads=1, dim_head=128, **COUNT_KNOBS)
+COUNT_TOKENS = 512
+TIMED_TOKENS = [8192, 16384, 32768, 65536]
 
 
 REPEATS = 10  # timings per median; --repeats sets it
@@ -280,7 +310,65 @@ def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device
     return times
 
 
+# ---- counts -------------------------------------------------------------------------------------
+
+
+def io_bytes(setting: dict, n: int, element: int, kv_pairs: int) -> int:
+    """Bytes of one layer's attention inputs and output at n tokens (batch 1): q, its `kv_pairs`
+    key/value pairs (NSA: one per branch) and the output."""
+    h, kv, d = setting["heads"], setting["kv_heads"], setting["dim_head"]
+    return n * element * (2 * h * d + 2 * kv_pairs * kv * d)
+
+
+def count_layer(layer: nn.Module, n: int, dtype: torch.dtype, device: torch.device) -> dict[str, OpCounts]:
+    """What one layer launches at n tokens (batch 1): {"fwd+bwd": one forward and backward,
+    "no-grad fwd": a forward without gradient (validation, inference)}."""
+    return dict(count_phases(layer, n, dtype, device))
+
+
+def count_phases(layer: nn.Module, n: int, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, OpCounts]]:
+    """count_layer's phases one at a time, so that a phase that fails leaves the others counted."""
+    gen = torch.Generator().manual_seed(0)
+    dim = layer.to_q.in_features
+    x = torch.randn(1, n, dim, generator=gen).to(device, dtype).requires_grad_()
+    grad = torch.randn(1, n, dim, generator=gen).to(device, dtype)
+    with count_ops() as both:
+        layer(x).backward(grad)
+    yield "fwd+bwd", both
+    with torch.no_grad(), count_ops() as forward:
+        layer(x)
+    yield "no-grad fwd", forward
+
+
+def print_counts(setting: dict, n: int, dtype: torch.dtype, device: torch.device) -> None:
+    """The counts of the dense layer and of NSA on its Triton kernels at n tokens."""
+    from models.attention.nsa import BRANCHES
+
+    element = torch.finfo(dtype).bits // 8
+    q_bytes = n * setting["heads"] * setting["dim_head"] * element
+    for name, build, kv_pairs in (("dense (SDPA)", lambda: DenseLayer(**setting), 1),
+                                  ("nsa kernel=triton", lambda: nsa_layer("triton", setting), BRANCHES)):
+        torch.manual_seed(0)
+        phases = count_phases(build().to(device, dtype), n, dtype, device)
+        for phase in ("fwd+bwd", "no-grad fwd"):
+            try:
+                counts = next(phases)[1]
+            except Exception as error:  # say why, go on with the next layer
+                print(f"{n:,} tokens, {name}, {phase} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                break
+            print(f"{n:,} tokens, {name}, {phase}:")
+            print(textwrap.indent(counts.format(io_bytes(setting, n, element, kv_pairs), q_bytes), "  "))
+
+
 # ---- report -------------------------------------------------------------------------------------
+
+
+def describe(name: str, setting: dict) -> str:
+    return (f"{name}: dim {setting['dim']}, {setting['heads']} query heads over {setting['kv_heads']} KV heads, "
+            f"dim_head {setting['dim_head']}; compressed blocks of {setting['compress_block_size']} every "
+            f"{setting['compress_stride']}, {setting['num_fine_selected']} selected blocks of "
+            f"{setting['fine_block_size']}, window {setting['sliding_window_size']}")
+
 
 
 def print_layers(rows: list[tuple], n: int) -> None:
@@ -308,18 +396,25 @@ def print_branches(setting: dict, n: int, dtype: torch.dtype, device: torch.devi
 def main(argv=None) -> int:
     global REPEATS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", choices=[*SETTINGS, "both"], default="both", help="both: paper and small")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--setting", choices=[*SETTINGS, "both"], default="both",
+                        help="both: paper and small (with --count: count and count16)")
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        help=f"tokens (default {TIMED_TOKENS}; with --count {COUNT_TOKENS})")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--with-torch", action="store_true", help="add NSA's plain-torch path (slow on a GPU)")
     parser.add_argument("--no-branches", action="store_true", help="skip the per-branch counted work")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timings per median (after 2 warm-ups)")
+    parser.add_argument("--count", action="store_true",
+                        help="count what one layer launches instead of timing it (settings count and count16)")
     args = parser.parse_args(argv)
+    args.lengths = args.lengths or ([COUNT_TOKENS] if args.count else TIMED_TOKENS)
     if error := flag_error({"--lengths": ("count", min(args.lengths)), "--repeats": ("count", args.repeats)}):
         parser.error(error)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device=cuda: no CUDA device here; use --device cpu (with a small --setting tiny)")
+    if args.count:
+        return count_main(args, parser)
     if args.device == "auto" and not torch.cuda.is_available():
         print("no CUDA device here: nothing to time at these sizes (the kernels are checked by `pytest -m triton` "
               "in Triton's interpreter; `--device cpu --setting tiny` runs this script's own code)")
@@ -335,10 +430,7 @@ def main(argv=None) -> int:
           f"{rate / 1e12:.2f} TFLOP/s, copy {bandwidth / 1e9:.0f} GB/s")
     for name in (("paper", "small") if args.setting == "both" else (args.setting,)):
         setting = SETTINGS[name]
-        print(f"\n{name}: dim {setting['dim']}, {setting['heads']} query heads over {setting['kv_heads']} KV heads, "
-              f"dim_head {setting['dim_head']}; compressed blocks of {setting['compress_block_size']} every "
-              f"{setting['compress_stride']}, {setting['num_fine_selected']} selected blocks of "
-              f"{setting['fine_block_size']}, window {setting['sliding_window_size']}")
+        print(f"\n{describe(name, setting)}")
         print(f"{'tokens':>7} {'layer':<17} {'fwd ms':>10} {'fwd+bwd ms':>11} {'fwd x dense':>10} "
               f"{'fwd+bwd x dense':>12} {'peak MB':>9}")
         for n in args.lengths:
@@ -353,6 +445,22 @@ def main(argv=None) -> int:
               f"{'of rate':>8} {'fwd+bwd ms':>10} {'of rate':>9}")
         for n in args.lengths:
             print_branches(setting, n, dtype, device, rate, bandwidth)
+    return 0
+
+
+def count_main(args, parser) -> int:
+    """--count: the dense layer's and NSA's launches, bytes and tiles, on the CUDA code path."""
+    device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+    if device.type == "cpu" and (problem := interpret_triton_here()):
+        parser.error(problem)
+    from experiments.runtime.throughput import device_name
+
+    where = "CUDA" if device.type == "cuda" else "the CPU, Triton kernels in Triton's interpreter"
+    print(f"counted on {where} ({device_name(device)}): what a GPU is asked to do; {args.dtype}, batch 1")
+    for name in (("count", "count16") if args.setting == "both" else (args.setting,)):
+        print(f"\n{describe(name, SETTINGS[name])}")
+        for n in args.lengths:
+            print_counts(SETTINGS[name], n, DTYPES[args.dtype], device)
     return 0
 
 

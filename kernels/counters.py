@@ -10,6 +10,10 @@ and the kernels compile without the counting code.
     with recording() as launches:
         layer(x).backward(grad)
     sum(launch.visited for launch in launches) / sum(launch.needed for launch in launches)
+
+What a launch site does only to report (a counter tensor for the visited pairs, reading it back,
+computing the needed pairs) runs inside `bookkeeping()`, so that an op counter
+(experiments/runtime/op_counts.py) leaves it out of what the GPU would run.
 """
 
 from contextlib import contextmanager
@@ -28,6 +32,7 @@ class Launch:
 
 
 _launches: Optional[list[Launch]] = None
+_bookkeeping = 0
 
 
 @contextmanager
@@ -52,3 +57,18 @@ def counting() -> bool:
 def record(launch: Launch) -> None:
     if _launches is not None:
         _launches.append(launch)
+
+
+@contextmanager
+def bookkeeping() -> Iterator[None]:
+    """Within it, tensor work that only serves the counting: op counters leave it out."""
+    global _bookkeeping
+    _bookkeeping += 1
+    try:
+        yield
+    finally:
+        _bookkeeping -= 1
+
+
+def in_bookkeeping() -> bool:
+    return _bookkeeping > 0

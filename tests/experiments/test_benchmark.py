@@ -1,6 +1,9 @@
 """The training-step benchmark measures what it names, in the precision it is asked for."""
 
+import argparse
+
 import pytest
+import torch
 
 from experiments import benchmark
 from experiments.runtime import throughput
@@ -46,3 +49,25 @@ def test_dsa_is_measured_in_its_sparse_stage():
     assert not any(block.attn.warming_up for block in model.blocks)
     logits, aux = forward(torch.randint(0, 256, (1, 64)))
     assert logits.shape == (1, 64, 256) and aux > 0  # the indexer's KL over its chosen tokens
+
+
+def test_a_counted_step_launches_its_optimizer_in_a_few_ops_whatever_the_depth():
+    """AdamW counts as on CUDA, where torch picks its foreach path: the optimizer's launches do not
+    grow with the parameters, the forward's and backward's do."""
+    shallow, deep = (benchmark.count_step("transformer", seq=32, batch=1, threads=1,
+                                          extra=[*TINY[:1], f"model.depth={depth}", *TINY[2:]])
+                     for depth in (1, 2))
+    assert 0 < shallow["optimizer"].launches == deep["optimizer"].launches < 20
+    assert 0 < shallow["forward"].launches < deep["forward"].launches
+    assert shallow["forward"].launches < shallow["backward"].launches < deep["backward"].launches
+    assert not any(part.triton for part in shallow.values())
+
+
+@pytest.mark.triton
+def test_the_step_count_prints_each_part_and_nsas_triton_launches(capsys):
+    args = argparse.Namespace(precision="fp32", batch=1, threads=1, override=TINY)
+    benchmark.print_step_counts(["transformer", "nsa"], [32], args, "cuda" if torch.cuda.is_available() else "cpu")
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[3:5]}
+    for name, (seq, forward, backward, optimizer, total, triton, syncs) in rows.items():
+        assert seq == "32" and int(forward) + int(backward) + int(optimizer) == int(total)
+        assert (int(triton) > 0) == (name == "nsa")

@@ -1,11 +1,13 @@
 """The layer and branch benchmark runs its own code on a CPU (tiny setting; the Triton kernels in
-the interpreter): every row is measured, and the ratios are against the dense layer of the run."""
+the interpreter): every row is measured, and the ratios are against the dense layer of the run;
+--count counts what each layer launches."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import kernels
 from experiments import benchmark_kernels
@@ -61,3 +63,48 @@ def test_branch_work_counts_the_pairs_each_branch_visits():
     assert work["selected"][0] == 4 * 64 * 16
     # blocks of 8 every 4 complete at t = 7, 11, ...: query t sees (t - 7) // 4 + 1 of them
     assert work["compressed"][0] == 6 * sum((t - 7) // 4 + 1 for t in range(7, 64))
+
+
+def count_blocks(out: str) -> dict[tuple[str, str], list[str]]:
+    """--count's output -> {(layer, phase): its lines}."""
+    blocks, lines = {}, None
+    for line in out.splitlines():
+        if line.endswith(":") and " tokens, " in line:
+            _, layer, phase = line[:-1].split(", ")
+            lines = blocks[(layer, phase)] = []
+        elif lines is not None and line.startswith("  "):
+            lines.append(line.strip())
+    return blocks
+
+
+@pytest.mark.triton
+def test_count_prints_each_layers_launches_bytes_and_triton_kernels(capsys):
+    assert benchmark_kernels.main(["--count", "--setting", "tiny", "--lengths", "16", "--dtype", "fp32"]) == 0
+    blocks = count_blocks(capsys.readouterr().out)
+    layers = ("dense (SDPA)", "nsa kernel=triton")
+    assert set(blocks) == {(layer, phase) for layer in layers for phase in ("fwd+bwd", "no-grad fwd")}
+    for (layer, phase), lines in blocks.items():
+        launches, aten, triton = (int(word.strip("(,);")) for word in lines[0].split()[1:6:2])
+        assert launches == aten + triton > 0
+        assert lines[1].startswith("glue ") and "x q, k, v, out" in lines[1]
+        assert lines[2].startswith("largest intermediate ") and "x q)" in lines[2]
+        # one line per Triton launch, whether its launch site reports it or not
+        assert triton == sum(line.startswith("triton ") for line in lines)
+        assert (triton > 0) == (layer == "nsa kernel=triton")
+    assert "_scaled_dot_product" in " ".join(blocks[("dense (SDPA)", "fwd+bwd")])
+
+
+def test_the_dense_layers_forward_launches_its_three_projections_and_attention():
+    setting = benchmark_kernels.SETTINGS["tiny"]
+    counts = benchmark_kernels.count_layer(benchmark_kernels.DenseLayer(**setting), 32, torch.float32,
+                                           torch.device("cpu"))["no-grad fwd"]
+    assert counts.aten["mm"] == 3 and counts.launches == 4 and counts.glue_bytes == 0
+    assert counts.matmul_bytes > 0 and counts.attention_bytes > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts on the GPU there")
+def test_count_on_a_cpu_without_the_interpreter_says_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET")  # triton is imported already: too late to switch it on here
+    with pytest.raises(SystemExit):
+        benchmark_kernels.main(["--count"])
+    assert "set TRITON_INTERPRET=1" in capsys.readouterr().err

@@ -1,0 +1,94 @@
+"""NSA's layer on its Triton kernels within the budgets that make it fast on a GPU (issue 53),
+counted on the CPU with the kernels in Triton's interpreter (experiments/runtime/op_counts.py;
+`python -m experiments.benchmark_kernels --count` prints the same figures).
+
+The layer runs at benchmark_kernels' `count` settings (the seed's GQA group of 2 with dim_head 64,
+the paper's group of 16 with dim_head 128; fine blocks of 64, masks shaped so that a well-tiled
+kernel visits under 1.3x the pairs it needs, as at the paper's lengths) at 512 tokens in bf16: one
+forward + backward, and one forward without gradient (validation, inference), which must run the
+same kernels. Minutes in the interpreter, hence `slow`. The budgets are starting points, to revise
+with a measured reason."""
+
+import pytest
+import torch
+
+from experiments.benchmark_kernels import COUNT_TOKENS, SETTINGS, count_layer, io_bytes, nsa_layer
+from experiments.runtime.op_counts import OpCounts
+from models.attention.nsa import BRANCHES
+
+LAUNCHES = 30  # per layer forward + backward: aten ops that launch a kernel, and Triton kernels
+FORWARD_LAUNCHES = 15  # per no-grad forward: a backward launches about twice what its forward does
+SYNCS = 0  # host waits for a device value: each stalls the GPU's queue and breaks CUDA graphs
+GLUE_OVER_IO = 4.0  # glue bytes (elementwise, copies, reductions) / bytes of q, every branch's k and v, out
+LARGEST_OVER_Q = 1.0  # the largest tensor any op creates / bytes of q
+VISITED_OVER_NEEDED = 1.3  # per attention kernel launch: (query, key) pairs in the tiles walked / pairs the mask needs
+ROWS = 64  # query rows (positions x heads of a GQA group) per program: Hopper's tensor cores need 64
+
+DTYPE = torch.bfloat16
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on a GPU the counts are the GPU's own
+PHASES = ("fwd+bwd", "no-grad fwd")
+
+pytestmark = [pytest.mark.triton, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module", params=["count", "count16"])
+def setting(request) -> dict:
+    return SETTINGS[request.param]
+
+
+@pytest.fixture(scope="module")
+def counts(setting) -> dict[str, OpCounts]:
+    torch.manual_seed(0)
+    layer = nsa_layer("triton", setting).to(DEVICE, DTYPE)
+    return count_layer(layer, COUNT_TOKENS, DTYPE, DEVICE)
+
+
+def reported(counts: OpCounts):
+    """The Launch records of every Triton launch (each must report one, or its tile is unknown)."""
+    missing = counts.unreported()
+    assert not missing, f"{len(missing)} Triton launches report no Launch (kernels.counters.record):\n" + "\n".join(
+        f"{launch.kernel} grid {launch.grid} {dict(launch.meta)}" for launch in missing)
+    return counts.reported
+
+
+def test_launches(counts):
+    for phase, budget in (("fwd+bwd", LAUNCHES), ("no-grad fwd", FORWARD_LAUNCHES)):
+        launches = counts[phase].launches
+        assert launches <= budget, f"{phase}:\n{counts[phase].format()}"
+
+
+def test_no_host_syncs(counts):
+    for phase in PHASES:
+        syncs = sum(counts[phase].syncs.values())
+        assert syncs <= SYNCS, f"{phase}: {dict(counts[phase].syncs)}"
+
+
+def test_glue_bytes(counts, setting):
+    io = io_bytes(setting, COUNT_TOKENS, DTYPE.itemsize, BRANCHES)
+    for phase in PHASES:
+        ratio = counts[phase].glue_bytes / io
+        assert ratio <= GLUE_OVER_IO, f"{phase}:\n{counts[phase].format(io_bytes=io)}"
+
+
+def test_no_intermediate_larger_than_q(counts, setting):
+    q = COUNT_TOKENS * setting["heads"] * setting["dim_head"] * DTYPE.itemsize
+    for phase in PHASES:
+        largest = counts[phase].largest
+        ratio = largest.bytes / q
+        assert ratio <= LARGEST_OVER_Q, f"{phase}: {largest.op} {list(largest.shape)} {largest.dtype}"
+
+
+def test_attention_kernels_visit_only_the_tiles_their_masks_need(counts):
+    for phase in PHASES:
+        attention = [launch for launch in reported(counts[phase]) if launch.needed]
+        assert attention, f"{phase}: no Triton launch reports the pairs its mask needs"
+        wasteful = [f"{launch.kernel} {launch.visited / launch.needed:.2f}" for launch in attention
+                    if launch.visited > VISITED_OVER_NEEDED * launch.needed]
+        assert not wasteful, f"{phase}: visited/needed over {VISITED_OVER_NEEDED}"
+
+
+def test_programs_hold_64_query_rows(counts):
+    for phase in PHASES:
+        thin = [f"{launch.kernel} {launch.rows}" for launch in reported(counts[phase])
+                if (launch.needed or launch.rows) and launch.rows < ROWS]
+        assert not thin, f"{phase}: query rows per program under {ROWS}"
