@@ -56,9 +56,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, ranked)
     ctx.knobs, ctx.fsa, ctx.backward_possible = knobs, fsa, save and not start
     ctx.mark_non_differentiable(blocks, saved, lse, order, ranked)
+    ctx.set_materialize_grads(False)  # else autograd fills a zero gradient for each of those five
 
 
 def _backward(ctx, dout, *_):
+    if dout is None:  # the output passed no gradient
+        return (None,) * 18
     if not ctx.backward_possible:
         raise RuntimeError("the NSA kernels' backward needs a forward from position 0 with gradients enabled "
                            "(a training step), not decoding after a cache")

@@ -15,7 +15,7 @@ chunked partials.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -77,19 +77,26 @@ def _meta(mask: int, q: Tensor, kv_heads: int, knobs: Knobs) -> dict:
 
 
 def _selection_meta(q: Tensor, kv_heads: int, knobs: Knobs) -> dict:
-    """The selection pass's tiles: BFE fine blocks a step, the BC compressed blocks that overlap them."""
+    """The selection pass's tiles: BFE fine blocks a step, BC compressed blocks (_select)."""
     group = q.shape[2] // kv_heads
-    bc = IMPORTANCE_TILE
-    while (knobs.fine + knobs.block - 1) // knobs.stride + 2 > bc:
-        bc *= 2
-    bfe = 1
-    while ((bfe + 1) * knobs.fine + knobs.block - 1) // knobs.stride + 2 <= bc:
-        bfe += 1
-    bf = triton.next_power_of_2(bfe)
+    per_fine = knobs.fine // knobs.stride
+    exact = knobs.fine % knobs.stride == 0 and knobs.block <= knobs.fine and not per_fine & (per_fine - 1)
+    if exact:  # the compressed blocks that start in a step, each read once (a tile of them fills exactly)
+        bc = max(IMPORTANCE_TILE, triton.next_power_of_2(per_fine))
+        bfe = bc // per_fine
+        bf = triton.next_power_of_2(bfe + 1)  # and a column for the next step's first fine block
+    else:  # those that overlap a step: a block across a step's edge is read by both steps
+        bc = IMPORTANCE_TILE
+        while (knobs.fine + knobs.block - 1) // knobs.stride + 2 > bc:
+            bc *= 2
+        bfe = 1
+        while ((bfe + 1) * knobs.fine + knobs.block - 1) // knobs.stride + 2 <= bc:
+            bfe += 1
+        bf = triton.next_power_of_2(bfe)
     positions = BM // group
     return dict(GP=max(16 if tiles_usable(q.dtype, 16) else 2, group), KB=max(16 if tiles_usable(q.dtype, 16) else 2,
                                                                               knobs.fine),
-                KP=max(2, triton.next_power_of_2(knobs.free)), BF=bf, BFE=bfe, BC=bc,
+                KP=max(2, triton.next_power_of_2(knobs.free)), BF=bf, BFE=bfe, BC=bc, EXACT=exact,
                 DOT_IMPORTANCE=positions >= 16 and bf >= 16)
 
 
@@ -99,11 +106,14 @@ class _Count:
 
     def __init__(self, unused: Tensor):
         self.on = counters.counting()
-        self.tensor = torch.zeros(1, dtype=torch.int64, device=unused.device) if self.on else unused
+        with counters.bookkeeping():
+            self.tensor = torch.zeros(1, dtype=torch.int64, device=unused.device) if self.on else unused
 
-    def record(self, name: str, grid: tuple, rows: int, keys: int, needed: int) -> None:
+    def record(self, name: str, grid: tuple, rows: int, keys: int, needed: Callable[[], int]) -> None:
+        """`needed` counts the pairs the mask lets through; it runs only while counting."""
         if self.on:
-            counters.record(counters.Launch(name, tuple(grid), rows, keys, int(self.tensor), needed))
+            with counters.bookkeeping():
+                counters.record(counters.Launch(name, tuple(grid), rows, keys, int(self.tensor), needed()))
 
 
 def flash_sparse_order(group: int, free: int) -> bool:
@@ -154,9 +164,9 @@ def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_w
                              *_strides(q), *_key_strides(mask, k), *_strides(gates[:, :, mask]), *rows, start, n,
                              keys, num_fine, ACCUMULATE=mask > 0, SAVE=save or mask == FORCED, COUNT=count.on,
                              FSA=fsa, FREE_P=max(2, triton.next_power_of_2(knobs.free)), **selection, **meta)
-        count.record(f"{NAMES[mask]}_forward", grid, BM, meta["BN"], group * needed_pairs(
+        count.record(f"{NAMES[mask]}_forward", grid, BM, meta["BN"], lambda: group * needed_pairs(
             mask, start, n, keys, knobs, blocks, pass_count=2 if mask == COMPRESSED and knobs.free else 1,
-            chosen=not fsa) if count.on else 0)
+            chosen=not fsa))
         if mask == FORCED and fsa:
             _pairs(1, q, k, v, lse[FORCED], stats, acc, phases, blocks, ranked, order, start, num_fine, knobs)
     return out, blocks, saved, lse, order, ranked
@@ -175,7 +185,7 @@ def _pairs(which: int, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tens
                        KB=meta["BN"], FINE=knobs.fine, FREE=knobs.free, SCALE=meta["SCALE"], USE_DOT=meta["USE_DOT"],
                        COUNT=count.on, PASS=which, num_warps=meta["num_warps"])
     count.record(f"selected_pairs_{('lse', 'output')[which]}", grid, BM, meta["BN"],
-                 meta["G"] * chosen_pairs(start, knobs, blocks) if count.on else 0)
+                 lambda: meta["G"] * chosen_pairs(start, knobs, blocks))
 
 
 def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
@@ -216,7 +226,7 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
                                      ACCUMULATE=mask != steps[0][0], COUNT=count.on, GP=selection["GP"],
                                      KB=selection["KB"], FSA=fsa, **meta)
             count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"],
-                         group * needed_pairs(mask, 0, n, keys, knobs, blocks, chosen=not fsa) if count.on else 0)
+                         lambda: group * needed_pairs(mask, 0, n, keys, knobs, blocks, chosen=not fsa))
             continue
         if mask == COMPRESSED:
             chunks = _chunks(n, b * kv_heads * keys * dim * 8, q)
@@ -238,7 +248,7 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
                                      READERS_PER_CHUNK if mask == FORCED else triton.cdiv(n, max(chunks, 1)), rows,
                                      CHUNKED=chunked, COUNT=count.on, FSA=fsa, **meta)
         count.record(f"{NAMES[mask]}_backward_dkv", grid_kv, BM, meta["BN"],
-                     group * needed_pairs(mask, 0, n, keys, knobs, blocks) if count.on else 0)
+                     lambda: group * needed_pairs(mask, 0, n, keys, knobs, blocks))
         if chunked:
             sums = partial.sum(1).view(2, b, kv_heads, keys, dim)
             dk.copy_(sums[0]), dv.copy_(sums[1])

@@ -191,10 +191,12 @@ def _forward_run(q, t, m, l, acc, K, V, kbase, skt, PH, lo, hi, num_keys, COUNTE
 def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kbase, skt, BLOCKS, COUNTER,
             G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
             FINE: tl.constexpr, FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, KP: tl.constexpr,
-            BF: tl.constexpr, BFE: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr,
+            BF: tl.constexpr, BFE: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr, SCALE: tl.constexpr,
             USE_DOT: tl.constexpr, DOT_IMPORTANCE: tl.constexpr, COUNT: tl.constexpr):
     """Each of the tile's positions' FREE most important fine blocks besides the forced ones, into
-    BLOCKS. BFE fine blocks a step, with the BC compressed blocks that overlap them."""
+    BLOCKS. BFE fine blocks a step. EXACT (whole strides in a fine block, blocks no longer than a fine
+    block): the BC = BFE * FINE / S compressed blocks that start in the step, each read once, their
+    share of the next step's first fine block carried over; else the BC that overlap the step."""
     P: tl.constexpr = BM // G
     d = tl.arange(0, D)
     pos_i = pid_m * P + tl.arange(0, P)
@@ -207,10 +209,14 @@ def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kb
     c = tl.arange(0, BC)
     top_s = tl.full([P, KP], float("-inf"), tl.float32)
     top_i = tl.zeros([P, KP], tl.int32)
+    carry = tl.zeros([P], tl.float32)  # EXACT: the last step's blocks' share of this step's first fine block
     t_last = start + tl.minimum(pid_m * P + P, seq_q) - 1
     for f0 in range(0, t_last // FINE + 1, BFE):
-        reach = f0 * FINE - L  # the first compressed block that ends after the step's first token
-        cols = tl.where(reach >= 0, reach // S + 1, 0) + c
+        if EXACT:
+            cols = f0 * (FINE // S) + c
+        else:
+            reach = f0 * FINE - L  # the first compressed block that ends after the step's first token
+            cols = tl.where(reach >= 0, reach // S + 1, 0) + c
         k = tl.load(KC + kbase + cols[:, None] * skt + d[None, :], mask=cols[:, None] < num_blocks, other=0.0)
         s = qk(q, k, USE_DOT) * (SCALE * LOG2E)
         p = tl.where(cols[None, :] < seen[:, None], tl.exp2(s - lse2[:, None]), 0.0)  # [BM, BC]
@@ -220,6 +226,10 @@ def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kb
         hi = tl.minimum(cols[:, None] * S + L, fine * FINE + FINE)
         overlap = tl.maximum(hi - lo, 0).to(tl.float32) / L  # token overlap [BC, BF] as a share of the block
         importance = pv(per_position, overlap, DOT_IMPORTANCE)  # [P, BF]
+        if EXACT:
+            spill = tl.sum(tl.where(col == BFE, importance, 0.0), 1)
+            importance = importance + tl.where(col == 0, carry[:, None], 0.0)
+            carry = spill
         taken = (fine * FINE > pos[:, None]) | (fine == own[:, None]) | (col >= BFE)
         if FORCED_BLOCKS >= 2:
             taken = taken | (fine == 0)
@@ -317,7 +327,8 @@ def forward_kernel(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, STATS, ACC, GATE_
                    FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, W: tl.constexpr, SCALE: tl.constexpr,
                    ROTARY: tl.constexpr, ACCUMULATE: tl.constexpr, SAVE: tl.constexpr, USE_DOT: tl.constexpr,
                    COUNT: tl.constexpr, GP: tl.constexpr, KB: tl.constexpr, KP: tl.constexpr, BF: tl.constexpr,
-                   BFE: tl.constexpr, BC: tl.constexpr, DOT_IMPORTANCE: tl.constexpr, FSA: tl.constexpr,
+                   BFE: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr, DOT_IMPORTANCE: tl.constexpr,
+                   FSA: tl.constexpr,
                    FREE_P: tl.constexpr):
     """One branch's attention for a tile of BM rows, gated into OUT (K and V share their strides;
     OUT, SAVED, ACC, SAVED_S share (sob, sot, soh)). With FSA (a group under 16): the selected
@@ -373,7 +384,8 @@ def forward_kernel(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, STATS, ACC, GATE_
         _gated_store(OUT, at, o, tl.full([BM], 1.0, tl.float32), ok, ACCUMULATE)
     if MASK == 0 and FREE > 0:
         _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_keys, num_fine, K, kbase, skt, BLOCKS, COUNTER, G, D, BM,
-                L, S, FINE, FORCED_BLOCKS, FREE, KP, BF, BFE, BC, SCALE, USE_DOT, DOT_IMPORTANCE, COUNT)
+                L, S, FINE, FORCED_BLOCKS, FREE, KP, BF, BFE, BC, EXACT, SCALE, USE_DOT, DOT_IMPORTANCE,
+                COUNT)
 
 
 @triton.jit

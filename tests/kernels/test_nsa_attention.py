@@ -20,6 +20,7 @@ CASES = [  # (seq, heads, kv_heads, dim_head, block, stride, fine, selected, win
     (19, 2, 1, 128, 8, 4, 16, 3, 8, torch.float32),  # dim_head 128; forced blocks only
     (24, 4, 2, 16, 4, 4, 4, 1, 5, torch.float32),  # the own block alone; blocks as long as their stride
     (26, 4, 2, 32, 8, 4, 8, 4, 6, torch.bfloat16),
+    (45, 4, 2, 16, 16, 8, 8, 4, 8, torch.float32),  # compressed blocks longer than fine ones: read by two steps
 ]
 
 
