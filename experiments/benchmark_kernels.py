@@ -243,19 +243,28 @@ def layer_table(setting: dict, n: int, dtype: torch.dtype, device: torch.device,
 # ---- branches -----------------------------------------------------------------------------------
 
 
-def branch_work(setting: dict, n: int, element: int) -> dict[str, tuple[float, float]]:
-    """Per branch, forward (FLOPs, fewest bytes) of one layer at n tokens (batch 1)."""
-    from kernels.triton_flash import COMPRESSED, WINDOW, visible_pairs
+def visible_pairs(n: int, window: int = 0, block: int = 0, stride: int = 1) -> int:
+    """(query, key) pairs of n queries from position 0 that a causal mask lets through: over the
+    window's last `window` keys, or (block > 0) over the compressed blocks of `block` every `stride`
+    complete by each query (query t sees (t - block + 1) // stride + 1 of them)."""
+    t = torch.arange(n, dtype=torch.int64)
+    if block:
+        return int(((t - block + 1).div(stride, rounding_mode="floor") + 1).clamp(min=0).sum())
+    return int(torch.minimum(t + 1, torch.tensor(window)).sum())
 
+
+def branch_work(setting: dict, n: int, element: int) -> dict[str, tuple[float, float]]:
+    """Per branch, forward (FLOPs, fewest bytes) of one layer at n tokens (batch 1), and their sum
+    under "fused": the kernels compute the branches together."""
     h, kv, d = setting["heads"], setting["kv_heads"], setting["dim_head"]
     block, stride, fine = setting["compress_block_size"], setting["compress_stride"], setting["fine_block_size"]
     free = max(0, setting["num_fine_selected"] - 3)
     blocks = max(0, (n - block) // stride + 1)
     q_bytes, out_bytes = n * h * d * element, n * h * d * element
-    compressed_pairs = visible_pairs(n, 0, blocks, COMPRESSED, block, stride)
-    window_pairs = visible_pairs(n, 0, n, WINDOW, setting["sliding_window_size"], 1)
+    compressed_pairs = visible_pairs(n, block=block, stride=stride)
+    window_pairs = visible_pairs(n, window=setting["sliding_window_size"])
     selected_pairs = n * free * fine  # whole blocks, as the kernel computes them
-    return {
+    work = {
         # attention (q.k, p.v) and selection (q.k again) over the compressed blocks; q, kc, vc read,
         # the output, its log-sum-exp and the chosen blocks written
         "compressed": (2 * compressed_pairs * h * d * 3, q_bytes + 2 * blocks * kv * d * element + out_bytes
@@ -263,51 +272,43 @@ def branch_work(setting: dict, n: int, element: int) -> dict[str, tuple[float, f
         "selected": (4 * selected_pairs * h * d, q_bytes + 2 * n * kv * d * element + out_bytes + n * kv * free * 9),
         "window": (4 * window_pairs * h * d, q_bytes + 2 * n * kv * d * element + out_bytes),
     }
+    work["fused"] = (sum(f for f, _ in work.values()), sum(b for _, b in work.values()) - 2 * q_bytes)
+    return work
 
 
-def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device) -> dict[str, tuple[float, float]]:
-    """Per branch, (forward ms, forward + backward ms) of its Triton kernels on random inputs."""
-    from kernels.compressed_attention.triton import triton_compressed_attention, triton_selection
-    from kernels.selected_attention import selected_attention
-    from kernels.selected_attention.naive import random_selection
-    from kernels.window_attention import triton_window_attention
+def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """(forward ms, forward + backward ms) of the three branches on the fused Triton kernels
+    (kernels/nsa_attention) on random inputs: q, the compressed keys and the gates given, so that
+    the compressor and the projections are not timed."""
+    from kernels.nsa_attention.ops import nsa_attention
+    from kernels.nsa_attention.triton import Knobs
+    from models.rotary import Rotary
 
     h, kv, d = setting["heads"], setting["kv_heads"], setting["dim_head"]
-    g = h // kv
     block, stride, fine = setting["compress_block_size"], setting["compress_stride"], setting["fine_block_size"]
-    free = max(0, setting["num_fine_selected"] - 3)
     blocks = max(0, (n - block) // stride + 1)
+    knobs = Knobs(block, stride, fine, min(3, setting["num_fine_selected"]),
+                  min(max(0, setting["num_fine_selected"] - 3), max(0, -(-n // fine) - 3)),
+                  setting["sliding_window_size"])
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device, dtype).requires_grad_()
 
-    q, k, v = rand(kv, g, n, d), rand(kv, n, d), rand(kv, n, d)
-    kc, vc = rand(kv, blocks, d), rand(kv, blocks, d)
-    q_rows = q.detach().transpose(1, 2).contiguous().requires_grad_()  # [kv, n, g, d] for selected attention
-    indices, valid = (t.to(device) for t in random_selection(kv, n, 0, fine, free + 1, gen))
+    inputs = (rand(1, n, h, d), rand(1, kv, blocks, d), rand(1, kv, blocks, d),
+              *(rand(1, n, kv, d) for _ in range(4)), rand(1, n, 3, h))
+    phases = Rotary(d).phases(n, device)
 
-    def compressed():
-        out, lse = triton_compressed_attention(q, kc, vc, 0, block, stride)
-        triton_selection(q.detach(), kc.detach(), lse, 0, block, stride, fine, 3, free)
-        return out
+    def run():
+        return nsa_attention(*inputs, phases, 0, knobs)[0]
 
-    branches = {
-        "compressed": compressed,
-        "selected": lambda: selected_attention(q_rows, k, v, indices[..., 1:], valid[..., 1:], 0, fine, "triton")[0],
-        "window": lambda: triton_window_attention(q, k, v, setting["sliding_window_size"])[0],
-    }
-    times = {}
-    for name, run in branches.items():
-        out = run()
-        grad = torch.randn_like(out)
+    grad = torch.randn_like(run())
 
-        def forward(run=run):
-            with torch.no_grad():
-                run()
+    def forward():
+        with torch.no_grad():
+            run()
 
-        times[name] = (timed(forward, device), timed(lambda run=run, grad=grad: run().backward(grad), device))
-    return times
+    return timed(forward, device), timed(lambda: run().backward(grad), device)
 
 
 # ---- counts -------------------------------------------------------------------------------------
@@ -327,11 +328,15 @@ def count_layer(layer: nn.Module, n: int, dtype: torch.dtype, device: torch.devi
 
 
 def count_phases(layer: nn.Module, n: int, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, OpCounts]]:
-    """count_layer's phases one at a time, so that a phase that fails leaves the others counted."""
+    """count_layer's phases one at a time, so that a phase that fails leaves the others counted. A
+    step as every step after the first: one uncounted forward first builds what a layer caches (the
+    rotary table, compiled kernels)."""
     gen = torch.Generator().manual_seed(0)
     dim = layer.to_q.in_features
     x = torch.randn(1, n, dim, generator=gen).to(device, dtype).requires_grad_()
     grad = torch.randn(1, n, dim, generator=gen).to(device, dtype)
+    with torch.no_grad():
+        layer(x)
     with count_ops() as both:
         layer(x).backward(grad)
     yield "fwd+bwd", both
@@ -384,13 +389,14 @@ def print_layers(rows: list[tuple], n: int) -> None:
 
 def print_branches(setting: dict, n: int, dtype: torch.dtype, device: torch.device, rate: float,
                    bandwidth: float) -> None:
+    """Each branch's work and floor, then the fused kernels' times against the three's sum."""
     work = branch_work(setting, n, torch.finfo(dtype).bits // 8)
-    times = branch_times(setting, n, dtype, device)
+    forward, both = branch_times(setting, n, dtype, device)
     for name, (flops, bytes_) in work.items():
-        forward, both = times[name]
         floor = max(flops / rate, bytes_ / bandwidth) * 1e3
-        print(f"{n:>7} {name:<11} {flops / 1e9:>9.3g} {bytes_ / 2**20:>9.3g} {floor:>9.3g} {forward:>9.3f} "
-              f"{flops / (forward / 1e3) / rate:>8.1%} {both:>10.3f} {3.5 * flops / (both / 1e3) / rate:>9.1%}")
+        timed_text = (f"{forward:>9.3f} {flops / (forward / 1e3) / rate:>8.1%} {both:>10.3f} "
+                      f"{3.5 * flops / (both / 1e3) / rate:>9.1%}" if name == "fused" else "")
+        print(f"{n:>7} {name:<11} {flops / 1e9:>9.3g} {bytes_ / 2**20:>9.3g} {floor:>9.3g} {timed_text}".rstrip())
 
 
 def main(argv=None) -> int:

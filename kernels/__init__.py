@@ -1,9 +1,9 @@
 """Attention kernels, one package each: `naive.py` (the simplest readable reference), `reference.py`
 (the chunked plain-PyTorch path), `triton.py` where there is a Triton kernel, a `.c` file where
 there is a CPU kernel (compiled on first use by native.py, sharing native.h), and the dispatcher
-in the package's `__init__.py`. Shared by the Triton kernels: triton_tiles.py (tile products) and
-triton_flash.py (flash attention whose mask is given by positions: the compressed branch's and the
-sliding window's). Nothing here imports models/ or experiments/."""
+in the package's `__init__.py`. Shared by the Triton kernels: triton_tiles.py (tile products);
+counters.py records what each launch walks, so a CPU can check a GPU's costs. Nothing here imports
+models/ or experiments/."""
 
 import os
 

@@ -9,6 +9,12 @@ import triton.language as tl
 from kernels import triton_interpreting
 
 
+def dim_supported(dim_head: int) -> bool:
+    """Whether the Triton kernels take this dim_head (a power of two from 16 to 256: a whole number of
+    tensor-core tiles, and registers enough for a row)."""
+    return 16 <= dim_head <= 256 and not dim_head & (dim_head - 1)
+
+
 def tiles_usable(dtype: torch.dtype, *sides: int) -> bool:
     """Whether tl.dot can take tiles with these sides: each at least 16, and not bf16 in Triton's
     interpreter (numpy has no bf16 and computes its products wrongly; there the sums serve)."""

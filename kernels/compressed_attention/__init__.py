@@ -22,10 +22,8 @@ segments of u = gcd(block, stride, fine_block) tokens; compressed block i spread
 evenly over its block / u segments, and a fine block sums its fine_block / u segments. That is the
 token-overlap fraction exactly, in O(blocks * block / u) per query.
 
-On CUDA (or under TRITON_INTERPRET=1), `triton_compressed_selection` does the same from two Triton
-kernels (triton.py): the attention saves its log-sum-exp, and the selection recomputes the group's
-probabilities from it, a tile of fine blocks at a time, into a running top-k; its backward is two
-kernels without atomic adds. `fused_selection_kernel` says which of the two serves a query tensor.
+On CUDA the compressed branch and the selection run inside NSA's fused kernels
+(kernels/nsa_attention/).
 
 On the CPU, `cpu_compressed_selection` does a training step's selection and the compressed
 branch's forward in C (selection.c, compiled on first use by kernels/native.py): one pass per query
@@ -141,37 +139,6 @@ def cpu_selection_available() -> bool:
     return _library() is not None
 
 
-def fused_selection_kernel(q: Tensor, kernel: str) -> Optional[str]:
-    """Which kernel gives a training step's compressed attention and block selection from one
-    scoring of the compressed keys, for queries q under model.kernel `kernel`: "cpu" (selection.c:
-    auto or cpu, a CPU tensor of at most fp32, a C compiler here), "triton" (triton, or auto on
-    CUDA where dim_head suits the kernels), or None (the chunked torch pass and fused attention
-    serve)."""
-    if kernel in ("auto", "cpu") and q.device.type == "cpu":
-        return "cpu" if q.dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_selection_available() else None
-    if kernel == "triton" or (kernel == "auto" and q.is_cuda and triton_dim_supported(q.shape[-1])):
-        return "triton"
-    return None
-
-
-def triton_dim_supported(dim_head: int) -> bool:
-    """Whether the Triton flash kernels take this dim_head (a power of two from 16 to 256)."""
-    return 16 <= dim_head <= 256 and not dim_head & (dim_head - 1)
-
-
-def triton_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int, fine_block: int,
-                                forced: int, free: int) -> tuple[Tensor, Tensor, Tensor]:
-    """cpu_compressed_selection's results (shapes and meaning alike) from the Triton kernels: the
-    attention passes gradient to q, kc and vc; the scores and indices pass none."""
-    from kernels.compressed_attention.triton import triton_compressed_attention, triton_selection
-
-    *lead, g, m, d = q.shape
-    q = q.reshape(-1, g, m, d)
-    out, lse = triton_compressed_attention(q, kc, vc, 0, block, stride)
-    scores, indices = triton_selection(q.detach(), kc.detach(), lse, 0, block, stride, fine_block, forced, free)
-    return out, scores, indices
-
-
 def cpu_compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride: int, fine_block: int, forced: int,
                              free: int) -> tuple[Tensor, Tensor, Tensor]:
     """The compressed branch's attention (as causal_block_attention) and the `free` most important
@@ -234,10 +201,13 @@ def _selection_setup_context(ctx, inputs, output):
     out, lse, scores, indices = output
     ctx.save_for_backward(q, kc, vc, out, lse)
     ctx.mark_non_differentiable(lse, scores, indices)
+    ctx.set_materialize_grads(False)  # no zero gradients filled for those three
 
 
 def _selection_backward(ctx, dout, _lse, _scores, _indices):
     """Flash attention's backward over the rows of blocks (traced torch: compiled with the rest)."""
+    if dout is None:  # the output passed no gradient
+        return (None,) * 8
     q, kc, vc, out, lse = ctx.saved_tensors
     block, stride = ctx.knobs[:2]
     m, blocks = q.shape[-2], kc.shape[1]

@@ -3,7 +3,7 @@
 from typing import Optional
 
 from kernels import triton_runnable
-from kernels.compressed_attention import triton_dim_supported
+from kernels.triton_tiles import dim_supported
 
 
 def check_gqa(heads: int, kv_heads: int) -> None:
@@ -33,7 +33,7 @@ def check_kernel(kernel: str, model: str, cpu_built: Optional[bool], **triton_di
     if kernel != "triton":
         return
     for name, value in triton_dims.items():
-        if not triton_dim_supported(value):
+        if not dim_supported(value):
             raise ValueError(f"kernel=triton needs {name} a power of two from 16 to 256, not {value}: "
                              f"change model.{name}, or use model.kernel=auto or torch")
     if not triton_runnable():

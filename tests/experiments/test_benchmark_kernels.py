@@ -38,11 +38,14 @@ def test_tiny_setting_times_every_layer_and_branch_on_the_cpu(capsys):
     lines = tiny_cpu_run(capsys)
     assert "measured ceilings: matrix product" in lines[0]
     rows = rows_at_32_tokens(lines)
-    assert set(rows) == {"dense", "nsa", "compressed", "selected", "window"}
+    assert set(rows) == {"dense", "nsa", "compressed", "selected", "window", "fused"}
     assert rows["dense"][5:7] == ["1.00x", "1.00x"]  # the baseline against itself
-    for name in ("compressed", "selected", "window"):
-        gflop, mib, floor, forward = map(float, rows[name][2:6])
-        assert gflop > 0 and mib > 0 and 0 < floor and forward > 0
+    for name in ("compressed", "selected", "window"):  # each branch's work and floor
+        gflop, mib, floor = map(float, rows[name][2:5])
+        assert gflop > 0 and mib > 0 and 0 < floor
+    gflop, mib, floor, forward = map(float, rows["fused"][2:6])  # the three in the fused kernels, timed
+    assert gflop == pytest.approx(sum(float(rows[name][2]) for name in ("compressed", "selected", "window")), rel=0.02)
+    assert floor > 0 and forward > 0
 
 
 def test_without_the_interpreter_the_cpu_run_times_the_layers_and_says_why_not_the_branches(capsys, monkeypatch):

@@ -249,16 +249,6 @@ def test_cpu_selection_with_the_attention_output_keeps_bf16_inputs_bf16():
         torch.testing.assert_close(grad.double(), ref_grad, rtol=5e-2, atol=5e-2)
 
 
-def test_the_fused_selection_kernel_is_chosen_by_device_and_knob():
-    from kernels.compressed_attention import fused_selection_kernel
-
-    q = torch.zeros(1, 1, 4, 16)
-    assert fused_selection_kernel(q, "torch") is None
-    assert fused_selection_kernel(q, "triton") == "triton"
-    assert fused_selection_kernel(q, "auto") == ("cpu" if cpu_selection_available() else None)
-    assert fused_selection_kernel(q.double(), "auto") is None  # the C kernel computes in fp32: float64 stays exact
-
-
 @pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
 @pytest.mark.parametrize("m", [29, 3])
 def test_the_custom_operator_passes_opcheck(m):
