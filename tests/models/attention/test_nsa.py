@@ -539,3 +539,21 @@ def test_triton_kernels_decode_as_the_parallel_forward_and_see_no_future():
         changed = x.clone()
         changed[:, t + 1 :] = (changed[:, t + 1 :] + 1) % 64
         assert torch.equal(model(changed)[:, : t + 1], full[:, : t + 1])
+
+
+@pytest.mark.triton
+def test_triton_kernels_compile_whole_and_train_as_eager():
+    """torch.compile traces the fused kernels' custom operator in one graph (no break, no Python
+    float reaching a kernel) and the compiled layer's output and gradients equal the eager ones."""
+    torch.manual_seed(0)
+    layer = NativeSparseAttention(dim=32, heads=4, dim_head=16, kv_heads=2, sliding_window_size=8,
+                                  compress_block_size=8, compress_stride=4, fine_block_size=16, num_fine_selected=4,
+                                  kernel="triton")
+    x = torch.randn(1, 37, 32, requires_grad=True)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    results = []
+    for run in (layer, compiled):
+        out = run(x)
+        results.append((out, *torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])))
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
