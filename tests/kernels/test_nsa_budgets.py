@@ -25,7 +25,7 @@ LAUNCHES = 64  # per layer forward + backward: 63 (group 2, 11 of them Triton) a
 FORWARD_LAUNCHES = 24  # per no-grad forward: 24 and 21, the same kernels as training
 SYNCS = 0  # host waits for a device value: each stalls the GPU's queue and breaks CUDA graphs
 GLUE_OVER_IO = 7.0  # glue bytes (elementwise, copies, reductions) / bytes of q, every branch's k and v, out:
-# 6.7 at group 2 (x's gradient summed over four projections and the six key/value gradients stacked into
+# 6.7 at group 2 (x's gradient summed over the projections and the six key/value gradients stacked into
 # to_kv's layout are 60% of it; their size goes with dim, not with q), 2.3 at group 16
 LARGEST_OVER_Q = 3.0  # the largest tensor any op creates / bytes of q: at group 2 to_kv's own output (six
 # key/value heads a KV head, 3x q); at group 16 the three branches' outputs saved for the gates' gradients
