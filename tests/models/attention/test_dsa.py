@@ -208,3 +208,32 @@ def test_deepspeed_trains_it(tmp_path):
 
     train(tmp_path, *DSA_RUN, "trainer.max_steps=4", "backend=deepspeed", base=TINY, timeout=600)
     assert read_summary(tmp_path)["status"] == "completed"
+
+
+# ---- on CUDA (the gpu tier; tests/conftest.py skips it where there is none) ------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_cached_decoding_equals_parallel_forward_on_cuda(kernel):
+    from tests.helpers.gpu import assert_cached_decoding_on_cuda
+
+    assert_cached_decoding_on_cuda(tiny_dsa(kernel=kernel), torch.randint(0, 32, (2, 23)), [5, 3, 8, 7])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", STAGES)
+def test_first_step_agrees_between_the_cpu_and_cuda(stage):
+    from experiments.gpu_report import lm_loss
+    from tests.helpers.gpu import assert_devices_agree
+
+    assert_devices_agree(lambda device: tiny_dsa(stage, kernel="auto").float(), lm_loss(32, 24))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_trains_on_cuda(tmp_path, precision):
+    from tests.helpers.gpu import assert_loss_falls, train_on_cuda
+    from tests.helpers.runs import TINY
+
+    assert_loss_falls(train_on_cuda(tmp_path, precision, *DSA_RUN, base=TINY))

@@ -162,3 +162,32 @@ def test_deepspeed_trains_it(tmp_path):
           "backend=deepspeed", base=TINY, timeout=600)
     summary = read_summary(tmp_path)
     assert summary["status"] == "completed" and summary["val_bpc"] > 0
+
+
+# ---- on CUDA (the gpu tier; tests/conftest.py skips it where there is none) ------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_cached_decoding_equals_parallel_forward_on_cuda(kernel):
+    from tests.helpers.gpu import assert_cached_decoding_on_cuda
+
+    assert_cached_decoding_on_cuda(tiny_moba(kernel), torch.randint(0, 32, (2, 23)), [5, 3, 8, 7])
+
+
+@pytest.mark.gpu
+def test_first_step_agrees_between_the_cpu_and_cuda():
+    from experiments.gpu_report import lm_loss
+    from tests.helpers.gpu import assert_devices_agree
+
+    assert_devices_agree(lambda device: tiny_moba("auto").float(), lm_loss(32, 24))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_trains_on_cuda(tmp_path, precision):
+    from tests.helpers.gpu import assert_loss_falls, train_on_cuda
+    from tests.helpers.runs import TINY
+
+    assert_loss_falls(train_on_cuda(tmp_path, precision, "model=moba", "model.kv_heads=1", "model.block_size=8",
+                                    base=TINY))
