@@ -25,24 +25,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import counters, flops, triton_interpreting
-from kernels.triton_tiles import pv, qk, tiles_usable
+from kernels import counters, flops
+from kernels.triton_tiles import power_of_two, pv, qk, refuse, tiles_usable
 
 BLOCK_T = 16  # keys per tile of the dk, dv kernel (at most 63: a query's choice in it is an int64 bit mask)
 
 
 def check_supported(q: Tensor) -> None:
     group, dim = q.shape[2], q.shape[3]
-    problems = []
-    if dim > 256 or dim & (dim - 1):
-        problems.append(f"dim_head={dim} must be a power of two up to 256")
-    if group > 64:
-        problems.append(f"the GQA group (heads / kv_heads = {group}) must be at most 64")
-    if not (q.is_cuda or triton_interpreting()):
-        problems.append("the tensors must be on a CUDA device (or set TRITON_INTERPRET=1 to run on the CPU)")
-    if problems:
-        raise ValueError("the Triton gather-attention kernel cannot run this: " + "; ".join(problems)
-                         + ". Use model.kernel=torch")
+    refuse("gather-attention", q, power_of_two("dim_head", dim, 256),
+           group > 64 and f"the GQA group (heads / kv_heads = {group}) must be at most 64")
 
 
 @triton.jit

@@ -16,24 +16,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import counters, triton_interpreting
+from kernels import counters
 from kernels.lightning_index.reference import top_keys
-from kernels.triton_tiles import qk, tiles_usable
+from kernels.triton_tiles import power_of_two, qk, refuse, tiles_usable
 
 BLOCK_M, BLOCK_N = 32, 32
 _CHUNK = 1 << 22  # ranking keys per chunk (int64: 32 MiB)
 
 
 def check_supported(q: Tensor) -> None:
-    dim = q.shape[-1]
-    problems = []
-    if dim < 16 or dim > 256 or dim & (dim - 1):
-        problems.append(f"index_dim_head={dim} must be a power of two from 16 to 256")
-    if not (q.is_cuda or triton_interpreting()):
-        problems.append("the tensors must be on a CUDA device (or set TRITON_INTERPRET=1 to run on the CPU)")
-    if problems:
-        raise ValueError("the Triton lightning-indexer kernel cannot run this: " + "; ".join(problems)
-                         + ". Use model.kernel=torch")
+    refuse("lightning-indexer", q, power_of_two("index_dim_head", q.shape[-1], 256, low=16))
 
 
 @triton.jit

@@ -31,24 +31,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import flops, triton_interpreting
-from kernels.triton_tiles import pv, qk, tiles_usable
+from kernels import flops
+from kernels.triton_tiles import power_of_two, pv, qk, refuse, tiles_usable
 
 
 def check_supported(q: Tensor, block: int) -> None:
     group, dim = q.shape[2], q.shape[3]
-    problems = []
-    if dim > 256 or dim & (dim - 1):
-        problems.append(f"dim_head={dim} must be a power of two up to 256")
-    if group > 64:
-        problems.append(f"the GQA group (heads / kv_heads = {group}) must be at most 64")
-    if block > 128 or block & (block - 1):
-        problems.append(f"fine_block_size={block} must be a power of two up to 128")
-    if not (q.is_cuda or triton_interpreting()):
-        problems.append("the tensors must be on a CUDA device (or set TRITON_INTERPRET=1 to run on the CPU)")
-    if problems:
-        raise ValueError("the Triton selected-attention kernel cannot run this: " + "; ".join(problems)
-                         + ". Use model.kernel=torch")
+    refuse("selected-attention", q, power_of_two("dim_head", dim, 256),
+           group > 64 and f"the GQA group (heads / kv_heads = {group}) must be at most 64",
+           power_of_two("fine_block_size", block, 128))
 
 
 @triton.jit
