@@ -2,10 +2,11 @@
 graph hands out tensors that alias its intermediates, which AOTAutograd's cache replayed with
 garbage sizes in torch 2.13), against eager: outputs, the gradients of the input and of every
 parameter, and the buffers a forward updates, over several calls of one compiled graph with new
-inputs. NSA runs on its CPU kernels (custom operators: a disabled kernel would break the graph).
+inputs. NSA and MoBA run on their CPU kernels (custom operators: a disabled kernel would break the
+graph); DSA in both stages, its indexer's KL compared with the output.
 Random draws (dropout, Gumbel noise) are the eager ones (Inductor's fallback_random).
 
-NSA compiles through Inductor, which decides the layouts its custom operators receive; the models
+NSA and MoBA compile through Inductor, which decides the layouts its custom operators receive; the models
 made of PyTorch operators alone through AOTAutograd without Inductor's code generation (the C++
 compiler would take minutes of the suite): what can break there, graph breaks, aliasing and mutated
 buffers, is decided before code generation. The training runs compiled through Inductor are
@@ -19,6 +20,8 @@ import torch
 from kernels import span_attention
 from kernels.compressed_attention import cpu_selection_available
 from models.attention.dense import DenseAttention
+from models.attention.dsa import DeepSeekSparseAttention
+from models.attention.moba import MixtureOfBlockAttention
 from models.attention.nsa import NativeSparseAttention
 from models.attention.routing import RoutingAttention
 from models.attention.sinkhorn import SinkhornAttention
@@ -56,6 +59,18 @@ def dvae_case():
     return model, lambda gen: (torch.rand(2, 3, 16, 16, generator=gen),), lambda forward, x: forward(*x)[0]
 
 
+def dsa_case(warmup_steps: int):
+    """DSA's output and its indexer's KL (the layer's aux_loss, which trains the indexer alone)."""
+    layer = DeepSeekSparseAttention(dim=32, heads=4, dim_head=16, kv_heads=2, index_heads=2, index_dim_head=8,
+                                    top_k=5, warmup_steps=warmup_steps, kl_weight=1.0, kernel="torch")
+
+    def call(forward, x):
+        out = forward(*x)
+        return out + getattr(forward, "_orig_mod", forward).aux_loss
+
+    return layer, lambda gen: (torch.randn(2, 24, 32, generator=gen),), call
+
+
 needs_c = pytest.mark.skipif(not (span_attention.available() and cpu_selection_available()),
                              reason="no C compiler for NSA's CPU kernels")
 CASES = {
@@ -68,10 +83,17 @@ CASES = {
                                                         sliding_window_size=8, compress_block_size=4,
                                                         compress_stride=2, fine_block_size=4, num_fine_selected=3,
                                                         kernel="cpu")),
+    "moba": lambda: attention_case(MixtureOfBlockAttention(dim=32, heads=4, dim_head=16, kv_heads=2, block_size=4,
+                                                           top_k=3, kernel="cpu")),
+    "dsa-warm-up": lambda: dsa_case(warmup_steps=10),
+    "dsa": lambda: dsa_case(warmup_steps=0),
     "lm": lm_case,  # the speculative pair's members (and the LM task's model)
     "dalle": dalle_case,
     "dvae": dvae_case,
 }
+
+
+INDUCTOR = {"nsa", "moba"}  # on their C kernels (custom operators), through Inductor
 
 
 @pytest.fixture(autouse=True)
@@ -80,13 +102,13 @@ def fresh_dynamo():
     torch._dynamo.reset()  # compiled graphs hold guards on these modules: none outlive the test
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_c) if n == "nsa" else n for n in CASES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_c) if n in INDUCTOR else n for n in CASES])
 def test_compiled_whole_equals_eager(name):
     torch.manual_seed(0)
     model, make_inputs, call_with = CASES[name]()
     model.train()
     eager = copy.deepcopy(model)  # its own buffers: a forward may update them (routing's k-means statistics)
-    compiled = torch.compile(model, fullgraph=True, backend="inductor" if name == "nsa" else "aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend="inductor" if name in INDUCTOR else "aot_eager")
     gen = torch.Generator().manual_seed(1)
     for call in range(CALLS):
         inputs = make_inputs(gen)
