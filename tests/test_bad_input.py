@@ -97,7 +97,7 @@ def test_the_shipped_options_and_presets_pass(compose):
 COMPOSITION_CASES = [
     (["trainer.max_stepz=3"], "did you mean trainer.max_steps?"),
     (["model.depth=two"], "model.depth=two; Value 'two' of type 'str' could not be converted to Integer"),
-    (["model=nope"], "Could not find 'model/nope'; Available options in 'model': dalle; dvae; nsa"),
+    (["model=nope"], "Could not find 'model/nope'; Available options in 'model': dalle; dsa; dvae; moba; nsa"),
     (["trainer.precision=fp8"], "trainer.precision=fp8"),
     (["trainer.cpu_allocator=jemalloc"], "Invalid value 'jemalloc', expected one of [system, caching, pooled]"),
 ]
