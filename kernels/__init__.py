@@ -1,23 +1,14 @@
 """Attention kernels, one package each: `naive.py` (the simplest readable reference), `reference.py`
 (the chunked plain-PyTorch path), `triton.py` where there is a Triton kernel, a `.c` file where
-there is a CPU kernel (compiled on first use by native.py, sharing native.h), and the dispatcher
-in the package's `__init__.py`. Shared by the Triton kernels: triton_tiles.py (tile products);
-counters.py records what each launch walks, so a CPU can check a GPU's costs. Nothing here imports
-models/ or experiments/."""
-
-import os
+there is a CPU kernel (compiled on first use by native.py, sharing native.h), and the operator in
+the package's `__init__.py`, which picks among them by the one rule of dispatch.py. Shared: native.py
+(building the C kernels), triton_tiles.py (tile products of the Triton kernels), counters.py (what
+each launch walks, so a CPU can check a GPU's costs), flops.py. Nothing here imports models/ or
+experiments/, and nothing imports Triton until a Triton kernel runs."""
 
 import torch
 
-
-def triton_interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (on CPU tensors) rather than compiling them."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def triton_runnable() -> bool:
-    """Whether the Triton kernel can run here: on CUDA, or in Triton's interpreter."""
-    return torch.cuda.is_available() or triton_interpreting()
+from kernels.dispatch import triton_interpreting, triton_runnable  # noqa: F401 (the package's public checks)
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:

@@ -2,36 +2,11 @@
 precision for fp32 inputs) where the shapes and the machine allow them, a broadcast
 multiply-and-sum where they do not."""
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_interpreting
-
-
-def dim_supported(dim_head: int) -> bool:
-    """Whether the Triton kernels take this dim_head (a power of two from 16 to 256: a whole number of
-    tensor-core tiles, and registers enough for a row)."""
-    return power_of_two("dim_head", dim_head, 256, low=16) is None
-
-
-def power_of_two(name: str, value: int, high: int, low: Optional[int] = None) -> Optional[str]:
-    """What is wrong with `name`=value as a tile side (a power of two, from low, up to high), or None."""
-    if (low is None or value >= low) and value <= high and value > 0 and not value & (value - 1):
-        return None
-    return f"{name}={value} must be a power of two " + (f"from {low} to {high}" if low else f"up to {high}")
-
-
-def refuse(kernel: str, x: torch.Tensor, *problems: Optional[str]) -> None:
-    """One ValueError naming every problem (None: none) that keeps the Triton `kernel` from running on
-    x here, and what to do instead; nothing if there is none."""
-    found = [problem for problem in problems if problem]
-    if not (x.is_cuda or triton_interpreting()):
-        found.append("the tensors must be on a CUDA device (or set TRITON_INTERPRET=1 to run on the CPU)")
-    if found:
-        raise ValueError(f"the Triton {kernel} kernel cannot run this: " + "; ".join(found) + ". Use model.kernel=torch")
+from kernels.dispatch import power_of_two, refuse, triton_interpreting  # noqa: F401 (the kernels' shape checks)
 
 
 def tiles_usable(dtype: torch.dtype, *sides: int) -> bool:

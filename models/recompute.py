@@ -1,8 +1,7 @@
 """Activations recomputed in the backward pass instead of kept for it.
 
-`recomputed(fn, *args)` is a checkpoint of fn where it pays: only when a backward will run, and not
-while a reversible stack recomputes the block (models/reversible.py), whose backward frees the
-block's activations at once, so a checkpoint inside it would compute fn a third time for nothing.
+`recomputed(fn, *args)`, a checkpoint of fn where it pays, lives with the kernels that use it too
+(kernels/recompute.py).
 
 `RecomputedLayers` is checkpointing for one cheap layer of one input. Whatever reads a layer's
 output may save it for the backward (a projection's weight gradient, a kernel, its input), while
@@ -15,29 +14,13 @@ backward and frees the output between forward and backward:
 They nest: an inner layer's input that an outer one recomputes is recomputed too, when needed.
 """
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from models.reversible import recomputing
-
-
-def recomputation_pays() -> bool:
-    """Whether autograd records for a backward, outside a reversible block's recomputation and
-    outside code torch.compile traces (its partitioner chooses what to recompute, and its guards
-    cannot follow recipes kept by storage address)."""
-    return torch.is_grad_enabled() and not recomputing() and not torch.compiler.is_compiling()
-
-
-def recomputed(fn: Callable, *args):
-    """fn(*args); where recomputation pays, what fn would keep for the backward is recomputed from
-    args in the backward instead."""
-    if recomputation_pays():
-        return checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
+from kernels.recompute import recomputation_pays, recomputed  # noqa: F401 (the models' recomputation, in one import)
 
 
 class RecomputedLayers:

@@ -22,22 +22,8 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-_recomputing = False
-
-
-def recomputing() -> bool:
-    """True while a reversible stack recomputes a block for its backward pass."""
-    return _recomputing
-
-
-@contextlib.contextmanager
-def _recomputation():
-    global _recomputing
-    previous, _recomputing = _recomputing, True
-    try:
-        yield
-    finally:
-        _recomputing = previous
+from kernels.recompute import recomputation as _recomputation
+from kernels.recompute import recomputing  # noqa: F401 (where the attentions ask whether a block is recomputed)
 
 
 def _rng_state(device: torch.device) -> tuple:

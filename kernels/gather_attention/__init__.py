@@ -7,11 +7,20 @@ whole blocks.
     triton.py     group-centric Triton kernels (the CUDA path)
 """
 
+from typing import Optional
+
 from torch import Tensor
 
+from kernels import dispatch
 from kernels.gather_attention.reference import gathered_probabilities
 
-__all__ = ["gather_attention", "gathered_probabilities"]
+__all__ = ["gather_attention", "gathered_probabilities", "triton_problem"]
+
+
+def triton_problem(group: int, dim_head: int) -> Optional[str]:
+    """What the Triton kernels need that this shape lacks (one phrase), or None."""
+    return (dispatch.power_of_two("dim_head", dim_head, 256, verb="to be")
+            or (f"the GQA group (heads / kv_heads = {group}) to be at most 64" if group > 64 else None))
 
 
 def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: int,
@@ -28,13 +37,10 @@ def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: in
     A key after the query's own position is masked even where an index names it. A query with no
     visible key gets zeros and a log-sum-exp of -inf (never NaN).
 
-    kernel: "torch" (reference.py), "triton" (triton.py), or "auto" (Triton on CUDA where the shapes
-    suit it, the reference elsewhere).
+    kernel: model.kernel, picked by kernels/dispatch.py's rule: "torch" (reference.py), "triton"
+    (triton.py), or "auto" (Triton on CUDA where the shapes suit it, the reference elsewhere).
     """
-    if kernel == "auto":
-        group, dim = q.shape[2], q.shape[3]
-        kernel = "triton" if q.is_cuda and dim <= 256 and not dim & (dim - 1) and group <= 64 else "torch"
-    if kernel == "triton":
+    if dispatch.choose(q, kernel, triton_problem(q.shape[2], q.shape[3]), what="gather attention") == "triton":
         from kernels.gather_attention.triton import TritonGatherAttention
 
         return TritonGatherAttention.apply(q, k, v, indices, start)

@@ -7,9 +7,17 @@ token, and the top-k keys by it, in one pass over chunks of queries (no [seq, se
     triton.py     a Triton scoring kernel per chunk, then torch.topk (the CUDA path)
 """
 
+from typing import Optional
+
 from torch import Tensor
 
+from kernels import dispatch
 from kernels.lightning_index.reference import index_topk as _chunked
+
+
+def triton_problem(index_dim_head: int) -> Optional[str]:
+    """What the Triton kernel needs that this shape lacks (one phrase), or None."""
+    return dispatch.power_of_two("index_dim_head", index_dim_head, 256, low=16, verb="to be")
 
 
 def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int, kernel: str = "torch") -> Tensor:
@@ -23,13 +31,10 @@ def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int, kernel: 
     Keys are ranked by their fp32 score, equal scores by position, the later key first (the same
     order on every path, so decoding keeps what the parallel pass keeps). No gradient.
 
-    kernel: "torch" (reference.py), "triton" (triton.py), or "auto" (Triton on CUDA where
-    index_dim_head suits it, the reference elsewhere).
+    kernel: model.kernel, picked by kernels/dispatch.py's rule: "torch" (reference.py), "triton"
+    (triton.py), or "auto" (Triton on CUDA where index_dim_head suits it, the reference elsewhere).
     """
-    if kernel == "auto":
-        d = q.shape[-1]
-        kernel = "triton" if q.is_cuda and 16 <= d <= 256 and not d & (d - 1) else "torch"
-    if kernel == "triton":
+    if dispatch.choose(q, kernel, triton_problem(q.shape[-1]), what="the lightning indexer") == "triton":
         from kernels.lightning_index.triton import index_topk as scored
 
         return scored(q, k, w, start, top_k)

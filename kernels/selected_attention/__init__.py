@@ -10,7 +10,15 @@ from typing import Optional
 
 from torch import Tensor
 
+from kernels import dispatch
 from kernels.selected_attention.reference import SelectedAttention
+
+
+def triton_problem(group: int, dim_head: int, block: int) -> Optional[str]:
+    """What the Triton kernels need that this shape lacks (one phrase), or None."""
+    return (dispatch.power_of_two("dim_head", dim_head, 256, verb="to be")
+            or (f"the GQA group (heads / kv_heads = {group}) to be at most 64" if group > 64 else None)
+            or dispatch.power_of_two("fine_block_size", block, 128, verb="to be"))
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int,
@@ -32,12 +40,12 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
     Keys after a query's own position are masked (-inf) even inside a selected block. A query with
     no visible key gets zeros and a log-sum-exp of -inf (never NaN).
 
-    kernel: "torch" (reference.py), "triton" (triton.py), or "auto" (Triton on CUDA, the reference
-    elsewhere).
+    kernel: model.kernel, picked by kernels/dispatch.py's rule: "torch" (reference.py), "triton"
+    (triton.py), "auto" (Triton on CUDA where the shape suits it, the reference elsewhere); the
+    package has no C kernel ("cpu" runs the reference).
     """
-    if kernel == "auto":
-        kernel = "triton" if q.is_cuda else "torch"
-    if kernel == "triton":
+    kernel = "torch" if kernel == "cpu" else kernel  # the callers' C kernel is span attention, not this
+    if dispatch.choose(q, kernel, triton_problem(q.shape[2], q.shape[3], block), what="selected attention") == "triton":
         from kernels.selected_attention.triton import selected_forward
 
         return selected_forward(q, k, v, indices, valid, start, block, weights)

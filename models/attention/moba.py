@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from kernels import at_least_fp32
 from kernels import span_attention as spans
-from kernels.selected_attention import selected_attention
+from kernels import dispatch
+from kernels.selected_attention import selected_attention, triton_problem
 from models.attention import cache as kv_cache
 from models.attention.knobs import check_at_least_1, check_gqa, check_kernel, check_no_dropout
 from models.rotary import Rotary
@@ -81,7 +82,7 @@ class MixtureOfBlockAttention(nn.Module):
         if cache is not None:  # the cache holds rotated keys
             q_rot = self.rotary(q.flatten(1, 2), start).view_as(q)
             out = self._attend(q_rot, k_gate, v, blocks, valid, start)
-        elif self._cpu_kernel(q):  # rotated inside the kernel: no rotated copy is kept for the backward
+        elif self._runs_on(q) == "cpu":  # rotated inside the kernel: no rotated copy is kept for the backward
             out = self._span_attention(q, k, v, blocks, valid, start, self.rotary.phases(x.shape[1], x.device))
         else:
             out = self._block_attention(*self._rotate(q, k, start), v, blocks, valid, start)
@@ -90,7 +91,7 @@ class MixtureOfBlockAttention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, valid: Tensor, start: int) -> Tensor:
         """Rotated q [b, h, g, m, d] at positions start.. over their blocks of rotated keys k and
         values v [b, h, n, d], on the kernel `kernel` picks -> [b, h, g, m, d]."""
-        if self._cpu_kernel(q):
+        if self._runs_on(q) == "cpu":
             return self._span_attention(q, k, v, blocks, valid, start)
         return self._block_attention(q, k, v, blocks, valid, start)
 
@@ -130,7 +131,7 @@ class MixtureOfBlockAttention(nn.Module):
         its consecutive sub-blocks of the largest such size that divides block_size: the same keys,
         the same attention (one softmax over all of them), on every kernel."""
         b = q.shape[0]
-        sub = min(self.block & -self.block, _TRITON_MAX_BLOCK)
+        sub = _sub_block(self.block)
         parts = self.block // sub
         if parts > 1:  # sub-blocks that start after their query (past the sequence's end too) are left out
             blocks = (blocks[..., None] * parts + torch.arange(parts, device=q.device)).flatten(-2)
@@ -138,7 +139,7 @@ class MixtureOfBlockAttention(nn.Module):
             valid = valid.repeat_interleave(parts, dim=-1) & (blocks * sub <= positions)
             blocks = blocks.masked_fill(~valid, 0)  # an unused slot must still name a block of the sequence
         out, _ = selected_attention(rearrange(q, "b h g n d -> (b h) n g d"), k.flatten(0, 1), v.flatten(0, 1),
-                                    blocks.flatten(0, 1), valid.flatten(0, 1), start, sub, self.kernel)
+                                    blocks.flatten(0, 1), valid.flatten(0, 1), start, sub, self._runs_on(q))
         return rearrange(out, "(b h) n g d -> b h g n d", b=b)
 
     def _span_attention(self, q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, valid: Tensor, start: int,
@@ -152,11 +153,11 @@ class MixtureOfBlockAttention(nn.Module):
         out, _ = spans.span_attention(q, k, v, key_spans, phases=phases)
         return out
 
-    def _cpu_kernel(self, q: Tensor) -> bool:
-        """Whether the span-attention C kernel runs the blocks: kernel auto or cpu, a CPU tensor it
-        computes in fp32 without loss, and the kernel built here."""
-        return (self.kernel in ("auto", "cpu") and q.device.type == "cpu" and q.dtype in spans.KERNEL_DTYPES
-                and spans.available())
+    def _runs_on(self, q: Tensor) -> str:
+        """Which kernel runs the blocks, by kernels/dispatch.py's rule: "cpu" (span attention),
+        "triton" (selected attention) or "torch"."""
+        return dispatch.choose(q, self.kernel, triton_problem(self.group, self.dim_head, _sub_block(self.block)),
+                               spans.available, "MoBA")
 
     # ---- cache -----------------------------------------------------------------------------------
 
@@ -179,6 +180,11 @@ class MixtureOfBlockAttention(nn.Module):
         return k, v, means
 
 
+def _sub_block(block: int) -> int:
+    """The largest power of two up to the Triton kernel's largest block that divides `block`."""
+    return min(block & -block, _TRITON_MAX_BLOCK)
+
+
 def block_means(k: Tensor, block: int) -> Tensor:
     """The mean key of every complete block: k [b, h, n, d] -> [b, h, n // block, d]."""
     complete = k.shape[2] // block
@@ -190,4 +196,4 @@ def _check(heads, kv_heads, dim_head, block_size, top_k, dropout, kernel) -> Non
     check_gqa(heads, kv_heads)
     check_at_least_1(block_size=block_size, top_k=top_k)
     check_no_dropout(dropout, "MoBA's block kernels")
-    check_kernel(kernel, "MoBA", spans.available(), dim_head=dim_head)
+    check_kernel(kernel, "MoBA", spans.available, triton_problem(heads // kv_heads, dim_head, _sub_block(block_size)))
