@@ -280,7 +280,7 @@ def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device
     """(forward ms, forward + backward ms) of the three branches on the fused Triton kernels
     (kernels/nsa_attention) on random inputs: q, the compressed keys and the gates given, so that
     the compressor and the projections are not timed."""
-    from kernels.nsa_attention.ops import nsa_attention
+    from kernels.nsa_attention.fused import nsa_attention
     from kernels.nsa_attention.triton import Knobs
     from models.rotary import Rotary
 

@@ -14,7 +14,6 @@ kernels and torch) where Triton is not installed.
 
 import importlib.util
 import os
-from functools import lru_cache
 from typing import Callable, Optional
 
 import torch
@@ -23,9 +22,7 @@ KERNELS = ("auto", "torch", "cpu", "triton")
 C_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # computed in fp32 without loss
 
 
-@lru_cache(maxsize=None)
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up once: Triton is not imported here
 
 
 def triton_interpreting() -> bool:
@@ -35,7 +32,7 @@ def triton_interpreting() -> bool:
 
 def triton_runnable() -> bool:
     """Whether Triton kernels can run here: Triton installed, and CUDA or its interpreter."""
-    return triton_installed() and (torch.cuda.is_available() or triton_interpreting())
+    return TRITON_INSTALLED and (torch.cuda.is_available() or triton_interpreting())
 
 
 def power_of_two(name: str, value: int, high: int, low: Optional[int] = None, verb: str = "must be") -> Optional[str]:
@@ -91,7 +88,7 @@ def choose(x: torch.Tensor, kernel: str, triton_problem: Optional[str] = "no Tri
 
 def triton_missing(x: Optional[torch.Tensor] = None) -> Optional[str]:
     """What keeps Triton kernels from running on x here (one phrase), or None."""
-    if not triton_installed():
+    if not TRITON_INSTALLED:
         return "Triton installed (pip install triton, on Linux)"
     if x is not None and not (x.is_cuda or triton_interpreting()) or x is None and not triton_runnable():
         return "a CUDA device (or TRITON_INTERPRET=1 to run the kernels slowly on the CPU)"

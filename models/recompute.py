@@ -14,7 +14,8 @@ backward and frees the output between forward and backward:
 They nest: an inner layer's input that an outer one recomputes is recomputed too, when needed.
 """
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,9 @@ class RecomputedLayers:
     place between forward and backward (an optimizer step never falls between them); parameters a
     sharded backend gathers on demand (ZeRO-3's) are left to be saved as usual."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, armed: bool = True):
         self.enabled = enabled
+        self._armed = armed  # unarmed, saved views are kept as usual until `armed()` opens
         self._sources: dict[int, _Recipe] = {}  # storage address -> the recipe of its output
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self._outer = None
@@ -64,8 +66,18 @@ class RecomputedLayers:
             self._hooks = None
         self._sources.clear()  # the packed views hold their recipes; nothing else should
 
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        """Within it, saved views of the outputs are recomputed (for code that alone knows whether
+        recomputing them pays: a kernel that saves them)."""
+        previous, self._armed = self._armed, True
+        try:
+            yield
+        finally:
+            self._armed = previous
+
     def _pack(self, t: Tensor):
-        source = self._sources.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+        source = self._sources.get(t.untyped_storage().data_ptr()) if self._armed and t.layout == torch.strided else None
         if source is None or t.dtype != source.dtype:
             return t if self._outer is None else _Outer(self._outer, t)
         source.pending += 1

@@ -1,47 +1,102 @@
-"""NSA's branches given the layer's projections, and the one place that decides which implementation
-runs them (models/attention/nsa.py states the algorithm; `path` picks how it runs):
+"""NSA's three gated branches (compressed, selected, sliding window) as one operator: the model
+(models/attention/nsa.py) states the algorithm and calls `nsa_attention`; this package picks how it
+runs, once, by kernels/dispatch.py's rule:
 
-    triton  the fused kernels (ops.py, triton.py): the three gated branches in one custom operator,
-            for training, inference and decoding alike; on CUDA (kernel auto or triton), or
-            anywhere Triton runs (kernel triton; its interpreter on a CPU)
-    cpu     a training step's C kernels: block selection with the compressed branch's output in one
-            pass (kernels/compressed_attention/selection.c), span attention for the selected blocks
-            and the window (kernels/span_attention/); kernel auto or cpu on a CPU with a C compiler
-    torch   plain PyTorch (reference.py, kernels/compressed_attention/): the readable path, and
-            the one for what the fused kernels do not take (differentiable selection, attention
-            dropout in training); its branch functions take the span kernel where it runs
+    triton   fused.py: the three gated branches in one custom operator (triton.py launching
+             triton_kernels.py), for training, inference and decoding alike, O(n) kept for the
+             backward, which runs from the saved log-sum-exps
+    cpu      cpu.py: a training step's C kernels, block selection with the compressed branch's
+             output in one pass (selection.c), span attention for the chosen blocks and the window
+             (kernels/span_attention/); off a training step the torch path with span attention
+    torch    chunked.py: plain PyTorch, the readable path (compressed.py, compressed_chunked.py,
+             reference.py, tiled.py), and the one for what the fused kernels do not take
+             (differentiable selection, attention dropout in training)
 
-    naive.py   the dense definition every path is tested against
-    blocks.py  the rules of which keys the selected branch and the window reach
+    naive.py, compressed_naive.py   the dense definitions every path is tested against
+    blocks.py                       which keys the selected branch and the window reach, and which
+                                    compressed blocks a position sees
 """
 
-from typing import Optional
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional, Protocol
 
+import torch
 from torch import Tensor
 
+from kernels import dispatch
 from kernels import span_attention as spans
-from kernels.compressed_attention import cpu_selection_available
-from kernels.nsa_attention.triton import supported as _triton_problem
+from kernels.nsa_attention.blocks import BlockRules, compressed_blocks
+
+# compress(k_cmp, v_cmp [b, kv_heads, n, d]) -> kc, vc [b, kv_heads, blocks, d]: the learned compressor
+Compress = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+BRANCHES = 3  # compressed, selected, window: the gates' order
 
 
-def triton_supported(group: int, dim_head: int, fine: int) -> Optional[str]:
-    """What keeps the fused kernels from this shape (one line), or None."""
-    return _triton_problem(group, dim_head, fine)
+class Rotary(Protocol):
+    def __call__(self, x: Tensor, start: int = 0) -> Tensor: ...  # x [..., seq, d] rotated from position start
+
+    def phases(self, end: int, device) -> Tensor: ...  # (cos, sin) [end, d / 2, 2] fp32, for the kernels
 
 
-def cpu_kernels_available() -> bool:
+def triton_problem(group: int, dim_head: int, fine: int) -> Optional[str]:
+    """What the fused kernels need that this shape lacks (one phrase, to follow "needs"), or None."""
+    return (dispatch.power_of_two("dim_head", dim_head, 256, low=16, verb="to be")
+            or dispatch.power_of_two("the GQA group (heads / kv_heads)", group, 64, verb="to be")
+            or dispatch.power_of_two("fine_block_size", fine, 128, verb="to be"))
+
+
+@torch.compiler.assume_constant_result  # torch.compile reads the answer, never the compiler's files
+def cpu_built() -> bool:
     """Whether the CPU kernels are built, or can be built, here (a C compiler)."""
+    from kernels.nsa_attention.compressed import cpu_selection_available
+
     return spans.available() and cpu_selection_available()
 
 
-def path(x: Tensor, kernel: str, group: int, dim_head: int, fine: int, exact: bool = False) -> str:
-    """How an NSA layer runs on input x under model.kernel `kernel`: "triton", "cpu" or "torch".
-    `exact`: the step needs what only plain PyTorch computes (differentiable selection, attention
-    dropout in training)."""
-    if exact:
-        return "torch"
-    if kernel == "triton" or (kernel == "auto" and x.is_cuda):
-        return "triton" if triton_supported(group, dim_head, fine) is None else "torch"
-    if kernel in ("auto", "cpu") and x.device.type == "cpu" and x.dtype in spans.KERNEL_DTYPES:
-        return "cpu" if cpu_kernels_available() else "torch"
-    return "torch"
+def nsa_attention(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: Compress, block: int, stride: int,
+                  rules: BlockRules, rotary: Rotary, start: int = 0, compressed: Optional[tuple[Tensor, Tensor]] = None,
+                  kernel: str = "auto", diff_topk: bool = False, dropout: float = 0.0, record: bool = False,
+                  recompute_inputs: Callable[[], ContextManager] = nullcontext
+                  ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
+    """The three branches mixed by their sigmoid gates, for queries at positions start.. .
+
+    q          [batch, seq_q, heads, dim_head]         queries, before rotary positions
+    keys       six [batch, seq_k, kv_heads, dim_head]  raw keys and values of the compressed, selected
+                                                       and window branches (seq_k = start + seq_q), before rotary
+    gates      [batch, seq_q, 3, heads]                gate logits, branches in that order (-inf: closed)
+    compress   the learned compressor (Compress), called on the compressed branch's keys and values
+    block, stride   compressed blocks of `block` tokens every `stride`
+    rules      fine blocks, how many are selected, the window
+    rotary     the rotary embedding (a Rotary: rotates tensors, and gives the kernels its phases)
+    compressed (kc, vc) [batch, kv_heads, blocks, dim_head] already compressed (a decoding cache), or None
+    kernel     model.kernel: auto | torch | cpu | triton
+    diff_topk  the selection passes gradient (straight-through factors on the chosen blocks)
+    dropout    attention dropout of the window branch (training)
+    record     also return the freely chosen blocks, where this forward chose them in one go
+    recompute_inputs   a context within which the inputs a path saves for its backward may be
+               recomputed instead (models/recompute.py's RecomputedLayers.armed: the projections),
+               opened where that pays (around the C kernels, which save q and the keys as they lie)
+    returns    out [batch, seq_q, heads, dim_head], and with `record` (indices, valid) [batch,
+               kv_heads, seq_q, free] of the freely chosen blocks (or None where the path chose them
+               in pieces: a CPU or chunked training step)
+    """
+    exact = diff_topk or (dropout > 0 and torch.is_grad_enabled())  # what only plain PyTorch computes
+    runs = dispatch.choose(q, kernel, triton_problem(q.shape[2] // keys[0].shape[2], q.shape[3], rules.fine),
+                           cpu_built, "NSA")
+    training = compressed is None and torch.is_grad_enabled()
+    if runs == "triton" and not exact:
+        from kernels.nsa_attention import fused
+
+        return fused.attend(q, keys, gates, compress, block, stride, rules, rotary, start, compressed, record)
+    if runs == "cpu" and training and not exact:
+        from kernels.nsa_attention import cpu
+
+        with recompute_inputs():
+            return cpu.train(q, keys, gates, compress, block, stride, rules, rotary), None
+    from kernels.nsa_attention import chunked
+
+    return chunked.attend(q, keys, gates, compress, block, stride, rules, rotary, start, compressed, runs,
+                          diff_topk, dropout, record)
+
+
+__all__ = ["BRANCHES", "BlockRules", "Compress", "compressed_blocks", "cpu_built", "nsa_attention", "triton_problem"]

@@ -1,13 +1,27 @@
 """Which keys NSA's selected branch and sliding window reach, as rules on positions: the forced
 fine blocks (own, initial, previous: as many as num_fine_selected allows, in that priority), the
-free choice by importance, the window, and these as key spans for the span-attention CPU kernel.
+free choice by importance, the window, and these as key spans for the span-attention CPU kernel;
+and which compressed blocks a position sees.
 Every path (naive, torch, C, Triton) states the same rules; these are the torch ones."""
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+def compressed_blocks(seq: int, block: int, stride: int) -> int:
+    """How many compressed blocks (`block` tokens every `stride`) `seq` tokens complete."""
+    return max(0, (seq - block) // stride + 1)
+
+
+def visible_compressed(positions: Tensor, block: int, stride: int, num_blocks: Optional[int] = None) -> Tensor:
+    """How many compressed blocks are complete at each position (block i ends at i * stride + block - 1),
+    at most num_blocks: the one count every path and counter of the compressed branch uses."""
+    seen = (positions + 1 - block).div(stride, rounding_mode="floor") + 1
+    return seen.clamp(0, num_blocks)
 
 
 @dataclass(frozen=True)

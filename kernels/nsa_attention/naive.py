@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.compressed_attention.naive import compressed_attention
+from kernels.nsa_attention.compressed_naive import compressed_attention
 
 
 def rotate(x: Tensor, phases: Tensor, start: int = 0) -> Tensor:

@@ -1,7 +1,8 @@
 """NSA's selected branch and sliding window in plain PyTorch, with the span-attention CPU kernel
 where it runs: the readable path (`model.kernel=torch`), and the one for decoding and
 differentiable selection. Queries [b, h, g, n, d] (a GQA group's heads together), keys and values
-[b, h, n, d], queries from position `start`, rotary positions already applied."""
+[b, h, n, d], queries from position `start`, rotary positions already applied (after a cache, to
+the queries; the keys read are rotated here)."""
 
 import torch
 import torch.nn.functional as F
@@ -12,25 +13,21 @@ from kernels import at_least_fp32
 from kernels import span_attention as spans
 from kernels.nsa_attention.blocks import BlockRules
 from kernels.selected_attention import selected_attention
-from kernels.tiled_attention import tiled_attention
-
-
-def span_kernel_runs(q: Tensor, kernel: str) -> bool:
-    """Whether the span-attention CPU kernel takes these queries: kernel auto or cpu, a CPU tensor
-    it computes in fp32 without loss, and the kernel built for this CPU."""
-    return kernel in ("auto", "cpu") and q.device.type == "cpu" and q.dtype in spans.KERNEL_DTYPES and spans.available()
+from kernels.nsa_attention.tiled import tiled_attention
 
 
 def selected(q: Tensor, k: Tensor, v: Tensor, scores: Tensor, indices: Tensor, start: int, rules: BlockRules,
-             kernel: str) -> Tensor:
+             runs: str, rotary=None) -> Tensor:
     """Attention over the forced and the freely chosen fine blocks -> [b, h, g, n, d]; the free
     blocks' indices and scores [b, h, n, free] come from `rules.choose` (-inf: slot unused).
 
     From position 0 the forced blocks (own, initial, previous) are the same for every query of a
     fine block, so they are attended tile by tile; only the freely chosen blocks are gathered per
     query. The two partial attentions cover disjoint blocks and are merged exactly through their
-    log-sum-exps. On the CPU kernel every block is a span of keys. After a cache, each query
-    gathers all its blocks at once."""
+    log-sum-exps. On the CPU kernel (runs "cpu") every block is a span of keys; the free blocks run
+    on the selected-attention Triton kernel where runs is "triton". After a cache, each query
+    gathers all its blocks at once, and with `rotary` rotates the keys it gathered (a cache keeps
+    them as projected)."""
     b, h, g, m, d = q.shape
     valid = scores > float("-inf")
     weights = None
@@ -38,8 +35,8 @@ def selected(q: Tensor, k: Tensor, v: Tensor, scores: Tensor, indices: Tensor, s
         chosen = scores.masked_fill(~valid, 0.0)
         weights = 1.0 + (chosen - chosen.detach())
     if start:
-        return gathered(q, k, v, *rules.with_forced(indices, valid, start), start, rules.fine)
-    if span_kernel_runs(q, kernel):
+        return gathered(q, k, v, *rules.with_forced(indices, valid, start), start, rules.fine, rotary)
+    if runs == "cpu":
         if weights is not None:  # the forced blocks keep their whole share
             weights = torch.cat((weights.new_ones(b, h, m, rules.forced), weights), dim=-1).flatten(0, 1)
         blocks = rules.block_spans(*rules.with_forced(indices.flatten(0, 1), valid.flatten(0, 1)))
@@ -53,7 +50,7 @@ def selected(q: Tensor, k: Tensor, v: Tensor, scores: Tensor, indices: Tensor, s
         return out_forced
     out_free, lse_free = selected_attention(
         rearrange(q, "b h g n d -> (b h) n g d"), k.flatten(0, 1), v.flatten(0, 1), indices.flatten(0, 1),
-        valid.flatten(0, 1), start, rules.fine, "torch" if kernel == "cpu" else kernel,
+        valid.flatten(0, 1), start, rules.fine, "triton" if runs == "triton" else "torch",
         None if weights is None else weights.flatten(0, 1),
     )
     out_free = rearrange(out_free, "(b h) n g d -> b h g n d", b=b)
@@ -63,11 +60,13 @@ def selected(q: Tensor, k: Tensor, v: Tensor, scores: Tensor, indices: Tensor, s
             + out_free * (lse_free - lse).exp()[..., None].to(q.dtype))
 
 
-def window(q: Tensor, k: Tensor, v: Tensor, start: int, rules: BlockRules, kernel: str, dropout: float = 0.0) -> Tensor:
-    """Sliding-window attention: query t sees keys (t - w, t]. -> [b, h, g, n, d]"""
+def window(q: Tensor, k: Tensor, v: Tensor, start: int, rules: BlockRules, runs: str, dropout: float = 0.0,
+           rotary=None) -> Tensor:
+    """Sliding-window attention: query t sees keys (t - w, t]. -> [b, h, g, n, d]; after a cache,
+    `rotary` rotates the keys read (a cache keeps them as projected)."""
     b, h, g, m, d = q.shape
     w = rules.window
-    if start == 0 and dropout == 0.0 and span_kernel_runs(q, kernel):
+    if start == 0 and dropout == 0.0 and runs == "cpu":
         out, _ = spans.span_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), rules.window_spans(m, q.device))
         return out.view_as(q)
     if start == 0:  # tiles of w queries see their tile and the previous one, fused
@@ -84,14 +83,17 @@ def window(q: Tensor, k: Tensor, v: Tensor, start: int, rules: BlockRules, kerne
         return rearrange(out, "c (b h g) w d -> b h g (c w) d", b=b, h=h)[:, :, :, :m]
     lo = max(0, start - w + 1)  # decoding: the last w keys before the first query suffice
     k, v = k[:, :, lo:], v[:, :, lo:]
+    k = k if rotary is None else rotary(k, lo)
     qpos = torch.arange(start, start + m, device=q.device)[:, None]
     mask = rules.window_visible(qpos, torch.arange(lo, lo + k.shape[2], device=q.device))
     out = F.scaled_dot_product_attention(q.flatten(2, 3), k, v, attn_mask=mask.repeat(g, 1), dropout_p=dropout)
     return out.view(b, h, g, m, d)
 
 
-def gathered(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int, block: int) -> Tensor:
-    """Each query over the keys of its own selected blocks, causal, gathered by index (decoding).
+def gathered(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int, block: int,
+             rotary=None) -> Tensor:
+    """Each query over the keys of its own selected blocks, causal, gathered by index (decoding);
+    with `rotary`, the gathered keys rotated by their positions.
 
     q [b, h, g, m, d]; k, v [b, h, seq, d]; indices, valid [b, h, m, blocks] -> [b, h, g, m, d]"""
     b, h, g, m, d = q.shape
@@ -100,7 +102,17 @@ def gathered(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, st
     safe = key_pos.clamp(max=k.shape[2] - 1)
     heads = (torch.arange(b, device=q.device)[:, None, None, None], torch.arange(h, device=q.device)[None, :, None, None])
     keys, values = k[heads + (safe,)], v[heads + (safe,)]  # [b, h, m, keys, d]
+    if rotary is not None:
+        keys = rotated_at(keys, rotary.phases(k.shape[2], q.device), safe)
     scores = torch.einsum("bhgmd,bhmkd->bhgmk", q, keys)
     scores = at_least_fp32(scores) * d**-0.5
     probs = scores.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1)
     return torch.einsum("bhgmk,bhmkd->bhgmd", probs.to(q.dtype), values)
+
+
+def rotated_at(x: Tensor, phases: Tensor, positions: Tensor) -> Tensor:
+    """x [..., d] with channel pairs (2j, 2j + 1) turned by the angles of `positions` [...] (int64)
+    from phases [end, d / 2, 2] (cos, sin)."""
+    cos, sin = phases[positions].to(x.dtype).unbind(-1)  # [..., d / 2]
+    even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1).flatten(-2)

@@ -15,13 +15,14 @@ chunked partials.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import triton
 from torch import Tensor
 
 from kernels import counters
+from kernels.nsa_attention.blocks import visible_compressed
 from kernels.nsa_attention.triton_kernels import (COMPRESSED, FORCED, WINDOW, backward_dkv_kernel, backward_dq_kernel,
                                                   forward_kernel, pairs_kernel)
 from kernels.triton_tiles import tiles_usable
@@ -43,17 +44,6 @@ class Knobs:
     forced: int
     free: int
     window: int
-
-
-def supported(group: int, dim_head: int, fine: int) -> Optional[str]:
-    """Why the kernels cannot take this shape, or None."""
-    if dim_head < 16 or dim_head > 256 or dim_head & (dim_head - 1):
-        return f"dim_head={dim_head} to be a power of two from 16 to 256"
-    if group > BM or group & (group - 1):
-        return f"the GQA group (heads / kv_heads = {group}) to be a power of two up to {BM}"
-    if fine > 128 or fine & (fine - 1):
-        return f"fine_block_size={fine} to be a power of two up to 128"
-    return None
 
 
 def _strides(t: Tensor) -> tuple[int, ...]:
@@ -286,8 +276,7 @@ def needed_pairs(mask: int, start: int, n: int, keys: int, knobs: Knobs, blocks:
     t = torch.arange(start, start + n)
     bh = blocks.shape[0] * blocks.shape[1]
     if mask == COMPRESSED:
-        seen = ((t + 1 - knobs.block).div(knobs.stride, rounding_mode="floor") + 1).clamp(0, keys)
-        return pass_count * bh * int(seen.sum())
+        return pass_count * bh * int(visible_compressed(t, knobs.block, knobs.stride, keys).sum())
     if mask == WINDOW:
         return bh * int((torch.minimum(t + 1, torch.tensor(keys)) - (t - knobs.window + 1).clamp(min=0)).clamp(min=0).sum())
     own = t // knobs.fine

@@ -21,12 +21,9 @@ Each branch has its own keys and values (as the paper: no gradient shortcuts bet
 positions apply to the selected and window branches; the compressed branch gets its positions from
 the intra-block embedding and the causal block mask.
 
-This module states the algorithm: projections, compression, gates, the cache. Which implementation
-runs the branches is decided in kernels/nsa_attention/ (`path`): the fused Triton kernels (CUDA:
-training, inference and decoding alike), the C kernels of a CPU training step (one pass from the
-compressed scores to the chosen blocks and the compressed output, span attention for the rest), or
-plain PyTorch (kernel=torch, the readable path; decoding and diff_topk off the fused kernels). Off
-the fused kernels a training step recomputes each branch in its backward, so a layer keeps O(n).
+This module states the algorithm: projections, compression, gates, the cache. The branches run in
+one operator, kernels.nsa_attention.nsa_attention, which picks the fused Triton kernels, the C
+kernels or plain PyTorch (model.kernel) by the one rule of kernels/dispatch.py.
 """
 
 import math
@@ -36,23 +33,17 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from kernels import span_attention as spans
-from kernels import triton_runnable
-from kernels.compressed_attention import block_selection, causal_block_attention, compressed_attention
-from kernels.compressed_attention import cpu_compressed_selection
-from kernels.nsa_attention import cpu_kernels_available, path, reference, triton_supported
+from kernels import dispatch
+from kernels.nsa_attention import BRANCHES, compressed_blocks, cpu_built, nsa_attention, triton_problem
 from kernels.nsa_attention.blocks import BlockRules
-from kernels.nsa_attention.ops import Knobs, nsa_attention
 from models.attention import cache as kv_cache
-from models.recompute import RecomputedLayers, recomputation_pays, recomputed
+from models.attention.knobs import check_at_least_1, check_gqa
+from models.recompute import RecomputedLayers, recomputation_pays
 from models.rotary import Rotary
 
-BRANCH_NAMES = ("compressed", "selected", "window")
-BRANCHES = len(BRANCH_NAMES)
+BRANCH_NAMES = ("compressed", "selected", "window")  # the gates' order, as kernels.nsa_attention's
 RAW = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")  # cached per-token keys and values
 
 
@@ -129,7 +120,7 @@ class BlockCompressor(nn.Module):
         self.w2 = nn.Parameter(torch.randn(kv_heads, hidden, dim_head) / math.sqrt(hidden))
 
     def num_blocks(self, seq: int) -> int:
-        return max(0, (seq - self.block) // self.stride + 1)
+        return compressed_blocks(seq, self.block, self.stride)
 
     def forward(self, x: Tensor, first: int = 0) -> Tensor:
         """x [batch, kv_heads, seq, dim_head] -> [batch, kv_heads, blocks, dim_head] for the
@@ -212,97 +203,34 @@ class NativeSparseAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[dict] = None) -> Tensor:
         """x [batch, seq, dim] -> [batch, seq, dim]; with `cache`, x continues the cached tokens."""
-        training = cache is None and torch.is_grad_enabled()
         if torch.is_autocast_enabled(x.device.type):  # one cast for the three projections, not one each
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        runs_on = path(x, self.kernel, self.group, self.dim_head, self.rules.fine,
-                       exact=self.diff_topk or (self.dropout > 0 and self.training))
-        # a training step on the CPU kernels keeps no layer's query and key/value projections for
-        # the backward, it recomputes them from x (bench size at 8k: 616 -> 488 MB kept, dense 613);
+        start = 0 if cache is None else cache.get("pos", 0)
+        # a kernel that saves the query and key/value projections for its backward may have them
+        # recomputed from x instead (the CPU kernels: bench size at 8k, 616 -> 488 MB kept, dense 613);
         # not while a reversible stack recomputes this layer, whose backward follows at once
-        recompute_projections = training and runs_on == "cpu" and recomputation_pays()
-        with RecomputedLayers(enabled=recompute_projections) as projections:
+        with RecomputedLayers(enabled=cache is None and recomputation_pays(), armed=False) as projections:
             q = projections.apply(self.to_q, x).unflatten(-1, (self.heads, self.dim_head))  # [b, n, heads, d]
             # six [b, n, kv_heads, d] views of one projection: their gradients are stacked straight into its layout
-            kv = projections.apply(self.to_kv, x).unflatten(-1, (-1, self.kv_heads, self.dim_head)).unbind(2)
-            kv = kv * BRANCHES if self.shared_kv else kv
+            keys = projections.apply(self.to_kv, x).unflatten(-1, (-1, self.kv_heads, self.dim_head)).unbind(2)
+            keys = keys * BRANCHES if self.shared_kv else keys
             gates = self.to_gates(x).unflatten(-1, (BRANCHES, self.heads))  # [b, n, 3, heads]
             if self.gate_bias is not None:
                 gates = gates + torch.tensor(self.gate_bias, dtype=gates.dtype, device=x.device).view(-1, 1)
             if self.closed:
                 gates = gates.index_fill(2, torch.tensor(self.closed, device=x.device), float("-inf"))
-            if runs_on == "triton":
-                return self.to_out(self._fused(q, kv, gates, cache).flatten(2))
-            q = rearrange(q, "b n (h g) d -> b h g n d", h=self.kv_heads)
-            kv = tuple(t.transpose(1, 2) for t in kv)  # [b, h, n, d]
-            gates = rearrange(gates, "b n s (h g) -> s b h g n 1", h=self.kv_heads)
-            if not training:
-                out = self._attend(q, kv, gates, cache)
-            elif self.diff_topk:  # selection passes gradient: the branches recompute together
-                out = recomputed(self._attend, q, kv, gates)
-            elif runs_on == "cpu":
-                out = self._train_cpu(q, kv, gates)
-            else:
-                out = self._train(q, kv, gates)
-        return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
-
-    def _fused(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor, cache: Optional[dict]) -> Tensor:
-        """The three gated branches in the fused kernels, in training, inference and decoding alike:
-        q [b, n, heads, d], kv six [b, n, kv_heads, d], gate logits [b, n, 3, heads] -> [b, n, heads, d].
-        They keep O(n) for the backward and run it from their saved log-sum-exps."""
-        start = 0 if cache is None else cache.get("pos", 0)
-        if cache is None:
-            kc, vc = self._compress(kv[0].transpose(1, 2), kv[1].transpose(1, 2))
-            local = kv[2:]
-        else:
-            *raw, kc, vc = self._extend_cache(cache, start, *(t.transpose(1, 2) for t in kv))
-            local = tuple(t.transpose(1, 2) for t in raw[2:])
-        seq_k = start + q.shape[1]
-        knobs = Knobs(self.compress_k.block, self.compress_k.stride, self.rules.fine, self.rules.forced,
-                      self.rules.free(seq_k), self.rules.window)
-        out, blocks = nsa_attention(q, kc, vc, *local, gates, self.rotary.phases(seq_k, q.device), start, knobs)
-        if self.selections is not None and cache is None:
-            chosen = blocks < -(-seq_k // self.rules.fine)  # unused slots hold the number of fine blocks
-            self.selections.append(self._selection_record(blocks.long().masked_fill(~chosen, 0), chosen))
-        return out
-
-    def _train_cpu(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor) -> Tensor:
-        """A training step on the CPU kernels: one pass gives block selection and the compressed
-        branch's output (the compressors recomputed in the backward); the selected and window
-        branches are span attention with the rotary positions and gates applied inside, keeping only
-        their log-sum-exps, the projections read where they lie. q [b, h, g, n, d], kv six
-        [b, h, n, d], gate logits [3, b, h, g, n, 1] -> [b, h, g, n, d]"""
-        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
-        b, h, _, m, _ = q.shape
-        kc, vc = recomputed(self._compress, k_cmp, v_cmp)
-        out_cmp, scores, indices = cpu_compressed_selection(
-            q, kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block, self.compress_k.stride, self.rules.fine,
-            self.rules.forced, self.rules.free(m))
-        out = torch.sigmoid(gates[0]) * out_cmp.view_as(q)
-        sigmoids = torch.sigmoid(gates[1:]).squeeze(-1).flatten(1, 2)  # [2, b * h, g, n]
-        phases = self.rotary.phases(m, q.device)
-        chosen = self.rules.block_spans(*self.rules.with_forced(indices, scores > float("-inf")))
-        out_slc, _ = spans.span_attention(q, k_slc, v_slc, chosen, gate=sigmoids[0], phases=phases)
-        out_win, _ = spans.span_attention(q, k_win, v_win, self.rules.window_spans(m, q.device), gate=sigmoids[1],
-                                          phases=phases)
-        return out.add_(out_slc.add_(out_win))  # in place: no backward reads these sums
-
-    def _train(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor) -> Tensor:
-        """A training step in plain PyTorch: block selection once, without gradient; each branch,
-        gated, recomputed on its own in the backward (as flash attention recomputes its
-        probabilities), so a layer keeps x, the projections, the gates and the compressed branch's
-        attention output (less than dense attention keeps), and its backward holds one branch's
-        activations at a time. Plain checkpoints, inside a reversible stack's recomputation too: there
-        they hold its backward to one branch at a time (2k, kernel=torch: 111.5 against 117.1 MB)."""
-        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
-        with torch.no_grad():
-            kc = self.compress_k(k_cmp)
-            scores, indices = block_selection(q.flatten(0, 1), kc.flatten(0, 1), 0, self.compress_k.block,
-                                              self.compress_k.stride, self.rules.fine, self.rules.chooser(k_cmp.shape[2]))
-        out = checkpoint(self._compressed_part, q, k_cmp, v_cmp, gates[0], use_reentrant=False,
-                         context_fn=_keep_causal_attention)
-        out = out + checkpoint(self._selected_part, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
-        return out + checkpoint(self._window_part, q, k_win, v_win, gates[2], use_reentrant=False)
+            compressed = None
+            if cache is not None:  # the cache keeps keys as projected ([b, h, n, d]), and the compressed blocks
+                *raw, kc, vc = self._extend_cache(cache, start, *(t.transpose(1, 2) for t in keys))
+                keys, compressed = tuple(t.transpose(1, 2) for t in raw), (kc, vc)
+            record = self.selections is not None and cache is None
+            out, chosen = nsa_attention(
+                q, keys, gates, self._compress, self.compress_k.block, self.compress_k.stride, self.rules, self.rotary,
+                start, compressed, self.kernel, self.diff_topk, self.dropout if self.training else 0.0, record,
+                projections.armed)
+        if record and chosen is not None:
+            self.selections.append(self._selection_record(*chosen))
+        return self.to_out(out.flatten(2))
 
     def _compress(self, k_cmp: Tensor, v_cmp: Tensor) -> tuple[Tensor, Tensor]:
         """Both compressors in one pass, their weights side by side: keys and values [b, h, n, d] ->
@@ -311,51 +239,6 @@ class NativeSparseAttention(nn.Module):
         weights = (torch.cat(pair) for pair in zip(*((c.pos, c.w1, c.b1, c.w2) for c in (self.compress_k,
                                                                                           self.compress_v))))
         return self.compress_k.compress(both, *weights).chunk(2, dim=1)
-
-    def _compressed_part(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, gate: Tensor) -> Tensor:
-        kc, vc = self._compress(k_cmp, v_cmp)
-        out = causal_block_attention(q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.compress_k.block,
-                                     self.compress_k.stride)
-        return torch.sigmoid(gate) * out.view_as(q)
-
-    def _selected_part(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, scores: Tensor, indices: Tensor) -> Tensor:
-        b, h, _, m, _ = q.shape
-        q_rot, k = self.rotary(q.flatten(1, 2)).view_as(q), self.rotary(k)
-        out = reference.selected(q_rot, k, v, scores.view(b, h, m, -1), indices.view(b, h, m, -1), 0, self.rules,
-                                 self.kernel)
-        return torch.sigmoid(gate) * out
-
-    def _window_part(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor) -> Tensor:
-        q_rot, k = self.rotary(q.flatten(1, 2)).view_as(q), self.rotary(k)
-        return torch.sigmoid(gate) * reference.window(q_rot, k, v, 0, self.rules, self.kernel, self._dropout())
-
-    def _attend(self, q: Tensor, kv: tuple[Tensor, ...], gates: Tensor, cache: Optional[dict] = None) -> Tensor:
-        """The three branches mixed by their gates, in one go (inference, decoding after `cache`,
-        differentiable selection), off the fused kernels: q [b, h, g, n, d], kv six [b, h, n, d]
-        (compressed, selected, window keys and values), gate logits [3, b, h, g, n, 1] -> [b, h, g, n, d]."""
-        b, h, g, m, d = q.shape
-        start = 0 if cache is None else cache.get("pos", 0)
-        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = kv
-        k_slc, k_win = self.rotary(torch.stack((k_slc, k_win)), start)
-        q_rot = self.rotary(q.flatten(1, 2), start).view_as(q)
-        if cache is not None:
-            k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kc, vc = self._extend_cache(
-                cache, start, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
-        else:
-            kc, vc = self.compress_k(k_cmp), self.compress_v(v_cmp)
-        out_cmp, scores, indices = compressed_attention(
-            q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.compress_k.block, self.compress_k.stride,
-            self.rules.fine, self.rules.chooser(k_slc.shape[2]), importance_grad=self.diff_topk and torch.is_grad_enabled())
-        scores, indices = scores.view(b, h, m, -1), indices.view(b, h, m, -1)
-        if self.selections is not None and cache is None:
-            self.selections.append(self._selection_record(indices, scores > float("-inf")))
-        out_slc = reference.selected(q_rot, k_slc, v_slc, scores, indices, start, self.rules, self.kernel)
-        out_win = reference.window(q_rot, k_win, v_win, start, self.rules, self.kernel, self._dropout())
-        gates = torch.sigmoid(gates)
-        return gates[0] * out_cmp.view_as(q) + gates[1] * out_slc + gates[2] * out_win
-
-    def _dropout(self) -> float:
-        return self.dropout if self.training else 0.0
 
     def _selection_record(self, indices: Tensor, valid: Tensor) -> Selection:
         """The forced and freely chosen blocks [b, h, m, free] of queries from position 0, as recorded."""
@@ -383,19 +266,6 @@ class NativeSparseAttention(nn.Module):
         return (*raw, kc, vc)
 
 
-def _keep_causal_attention():
-    """Recompute everything but causal fused attention (the compressed branch, the costliest
-    forward to repeat), whose outputs are kept: a selective-checkpoint context."""
-    def policy(ctx, op, *args, **kwargs):
-        names = [a.name for a in op._schema.arguments]
-        causal = "is_causal" in names and (kwargs["is_causal"] if "is_causal" in kwargs
-                                           else len(args) > names.index("is_causal") and args[names.index("is_causal")])
-        keep = "scaled_dot_product" in op._schema.name and causal
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
 def _check(heads, kv_heads, dim_head, window, block, stride, fine_block, num_selected, kernel, branches,
            gate_bias) -> None:
     """Reject knob combinations NSA cannot run, saying how to fix them."""
@@ -405,20 +275,10 @@ def _check(heads, kv_heads, dim_head, window, block, stride, fine_block, num_sel
     if not branches or set(branches) - set(BRANCH_NAMES):
         raise ValueError(f"branches={list(branches)} must name at least one of {', '.join(BRANCH_NAMES)}: "
                          "set model.branches")
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads} (GQA groups): change model.kv_heads")
-    for name, value in (("sliding_window_size", window), ("compress_block_size", block),
-                        ("compress_stride", stride), ("fine_block_size", fine_block), ("num_fine_selected", num_selected)):
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1: set model.{name}")
+    check_gqa(heads, kv_heads)
+    check_at_least_1(sliding_window_size=window, compress_block_size=block, compress_stride=stride,
+                     fine_block_size=fine_block, num_fine_selected=num_selected)
     if stride > block:
         raise ValueError(f"compress_stride={stride} exceeds compress_block_size={block}, so tokens between "
                          "blocks would never be compressed: lower model.compress_stride")
-    if kernel == "cpu" and not cpu_kernels_available():
-        raise ValueError("kernel=cpu needs a working C compiler (cc or $CC) to build the CPU kernels: "
-                         "install gcc, or use model.kernel=auto or torch")
-    if kernel == "triton" and (problem := triton_supported(heads // kv_heads, dim_head, fine_block)):
-        raise ValueError(f"kernel=triton needs {problem}: change it, or use model.kernel=auto or torch")
-    if kernel == "triton" and not triton_runnable():
-        raise ValueError("kernel=triton needs a CUDA device (or TRITON_INTERPRET=1 to run the kernel slowly "
-                         "on the CPU): use model.kernel=auto or torch")
+    dispatch.check(kernel, "NSA", triton_problem(heads // kv_heads, dim_head, fine_block), cpu_built)

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.compressed_attention.reference as module
-from kernels.compressed_attention import compressed_attention, cpu_compressed_selection, cpu_selection_available
-from kernels.compressed_attention.naive import compressed_attention as naive
+import kernels.nsa_attention.compressed_chunked as module
+from kernels.nsa_attention.compressed import compressed_attention, cpu_compressed_selection, cpu_selection_available
+from kernels.nsa_attention.compressed_naive import compressed_attention as naive
 
 
 def whole_importance(num_fine):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels import flops
-from kernels.compressed_attention import cpu_compressed_selection, cpu_selection_available
+from kernels.nsa_attention.compressed import cpu_compressed_selection, cpu_selection_available
 from kernels.span_attention import available, span_attention
 
 

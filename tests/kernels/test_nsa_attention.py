@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.nsa_attention import naive, triton as kernels
-from kernels.nsa_attention.ops import nsa_forward
+from kernels.nsa_attention.fused import nsa_forward
 from models.rotary import Rotary
 
 pytestmark = pytest.mark.triton

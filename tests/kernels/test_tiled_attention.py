@@ -4,7 +4,7 @@ output, log-sum-exp and every gradient, the log-sum-exp's own included, in float
 import pytest
 import torch
 
-from kernels.tiled_attention import tiled_attention
+from kernels.nsa_attention.tiled import tiled_attention
 
 
 def naive(q, k, v, allowed):

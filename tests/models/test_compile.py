@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kernels import span_attention
-from kernels.compressed_attention import cpu_selection_available
+from kernels.nsa_attention.compressed import cpu_selection_available
 from models.attention.dense import DenseAttention
 from models.attention.dsa import DeepSeekSparseAttention
 from models.attention.moba import MixtureOfBlockAttention

@@ -6,9 +6,11 @@ import torch
 from einops import rearrange
 import torch.nn.functional as F
 
-from kernels.compressed_attention import compressed_attention
-from kernels.compressed_attention.naive import compressed_attention as naive
+from kernels.nsa_attention.compressed import compressed_attention
+from kernels.nsa_attention.compressed_naive import compressed_attention as naive
 from kernels import span_attention
+from kernels import dispatch
+import kernels.nsa_attention as nsa_kernels
 from kernels.nsa_attention import reference as branches
 from models.attention.dense import DenseAttention
 from models.attention.nsa import BRANCH_NAMES, BlockCompressor, NativeSparseAttention, branch_closed, open_branches
@@ -76,8 +78,8 @@ def test_all_blocks_selected_equals_dense_causal_attention(n, kernel):
     importance = torch.rand(4, n, -(-n // 4))  # [batch * kv_heads, seq, fine blocks]
     scores, indices = (t.view(2, 2, n, -1) for t in attn.rules.choose(importance, 0, 13))
     dense = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], is_causal=True)
-    torch.testing.assert_close(branches.selected(q, k, v, scores, indices, 0, attn.rules, attn.kernel), dense, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(branches.window(q, k, v, 0, attn.rules, attn.kernel), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(branches.selected(q, k, v, scores, indices, 0, attn.rules, runs(q, attn.kernel)), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(branches.window(q, k, v, 0, attn.rules, runs(q, attn.kernel)), dense, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -99,7 +101,7 @@ def test_selected_branch_equals_masked_attention_over_the_chosen_blocks(selected
         allowed |= ((positions[None] // l) == indices[0, :, s_, None]) & valid[0, :, s_, None]
     allowed &= positions[None] <= positions[:, None]
     expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=allowed)
-    torch.testing.assert_close(branches.selected(q, k, v, scores[None], indices[None], 0, attn.rules, attn.kernel), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(branches.selected(q, k, v, scores[None], indices[None], 0, attn.rules, runs(q, attn.kernel)), expected, rtol=1e-5, atol=1e-5)
     blocks_per_query = F.pad(allowed, (0, (-n) % l)).view(n, -1, l).any(-1).sum(-1)
     assert (blocks_per_query <= selected).all()
     assert (blocks_per_query[-1] == min(selected, -(-n // l)))
@@ -115,7 +117,7 @@ def test_window_sees_exactly_the_last_w_tokens(kernel):
     i, j = torch.arange(n)[:, None], torch.arange(n)[None]
     mask = (j <= i) & (j > i - 5)
     expected = F.scaled_dot_product_attention(q, k[:, :, None], v[:, :, None], attn_mask=mask)
-    torch.testing.assert_close(branches.window(q, k, v, 0, attn.rules, attn.kernel), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(branches.window(q, k, v, 0, attn.rules, runs(q, attn.kernel)), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not span_attention.available(), reason="no C compiler for the CPU kernel")
@@ -402,6 +404,11 @@ def test_shared_kv_gives_every_branch_one_projection():
     torch.testing.assert_close(shared.blocks[0].attn.to_kv.weight.grad, summed)
 
 
+def runs(q, kernel: str) -> str:
+    """Which kernels the branch functions may call under model.kernel `kernel` (kernels/dispatch.py)."""
+    return dispatch.choose(q, kernel, nsa_kernels.triton_problem(q.shape[2], q.shape[-1], 4), nsa_kernels.cpu_built)
+
+
 def _selected_branch(attn, diff_topk):
     """The selected branch of one layer from fixed inputs, with selection differentiable or not:
     -> (output, compressed keys)"""
@@ -412,7 +419,7 @@ def _selected_branch(attn, diff_topk):
     kc = torch.randn(1, 1, attn.compress_k.num_blocks(n), d, generator=gen, requires_grad=True)
     _, scores, indices = compressed_attention(q.flatten(0, 1), kc.flatten(0, 1), kc.detach().flatten(0, 1), 0, 4, 2, 4,
                                               lambda imp, first: attn.rules.choose(imp, first, 2), importance_grad=diff_topk)
-    return branches.selected(q, k, v, scores[None], indices[None], 0, attn.rules, attn.kernel), kc
+    return branches.selected(q, k, v, scores[None], indices[None], 0, attn.rules, runs(q, attn.kernel)), kc
 
 
 def test_diff_topk_passes_gradient_to_the_compressed_keys_through_selection():

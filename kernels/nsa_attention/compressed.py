@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import flops
-from kernels.compressed_attention.reference import CompressedAttention, Layout, select
+from kernels.nsa_attention.blocks import visible_compressed
+from kernels.nsa_attention.compressed_chunked import CompressedAttention, Layout, select
 from kernels.native import load, pointer, row_strides, rows_as_they_lie, transposed_tiles
 
 # choose(importance [bh, chunk, fine blocks up to the chunk's last query], first position)
@@ -120,12 +121,6 @@ def _from_rows(rows: Tensor, block: int, stride: int, m: int) -> Tensor:
     return x
 
 
-def _visible_blocks(m: int, blocks: int, block: int, stride: int) -> int:
-    """Compressed blocks seen, summed over queries 0..m-1: query t sees those complete by t."""
-    t = torch.arange(min(block - 1, m), m)
-    return int(((t - block + 1) // stride + 1).clamp(max=blocks).sum())
-
-
 def _row_split(m: int, block: int, stride: int) -> tuple[int, int, int]:
     """(queries before the first complete block, rows whose every offset holds a query, queries in
     the last, partial row)."""
@@ -184,7 +179,7 @@ def _compressed_selection(q: Tensor, kc: Tensor, vc: Tensor, block: int, stride:
         raise MemoryError("block selection: a thread could not allocate its scores")
     if kc.shape[1] == 0:  # no block at all: vc's empty data reads as NULL in C, which writes no output
         out.zero_(), lse.fill_(float("-inf"))
-    flops.attention(lambda: bh * _visible_blocks(m, kc.shape[1], block, stride), g, d)  # the backward: torch's
+    flops.attention(lambda: bh * int(visible_compressed(torch.arange(m), block, stride, kc.shape[1]).sum()), g, d)  # the backward: torch's
     return out.to(q.dtype), lse, scores, indices
 
 

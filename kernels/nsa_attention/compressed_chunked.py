@@ -10,14 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import at_least_fp32
+from kernels.nsa_attention.blocks import visible_compressed
 
 # score elements (fp32) per chunk: large enough for efficient products, small enough for the cache
 _CHUNK_ELEMENTS = 1 << 20
-
-
-def visible_blocks(positions: Tensor, block: int, stride: int, num_blocks: int) -> Tensor:
-    """How many compressed blocks are complete at each position: block i ends at i * stride + block - 1."""
-    return ((positions + 1 - block).div(stride, rounding_mode="floor") + 1).clamp(0, num_blocks)
 
 
 class Layout:
@@ -28,7 +24,7 @@ class Layout:
         bh, g, m, _ = q.shape
         self.start, self.fine_block = start, fine_block
         self.positions = torch.arange(start, start + m, device=q.device)
-        self.counts = visible_blocks(self.positions, block, stride, num_blocks)
+        self.counts = visible_compressed(self.positions, block, stride, num_blocks)
         counts = self.counts.tolist()
         self.chunks = []
         c0 = next((i for i, c in enumerate(counts) if c > 0), m)

@@ -1,13 +1,17 @@
-"""NSA's Triton kernels as custom operators (torch.library.custom_op), so torch.compile traces
-through them and CUDA graphs capture them: `sparse_attention::nsa_forward` and
+"""NSA on its fused Triton kernels: `attend` (the operator's Triton path) and `run`, over the kernels
+as custom operators (torch.library.custom_op), so torch.compile traces through them and CUDA
+graphs capture them: `sparse_attention::nsa_forward` and
 `sparse_attention::nsa_backward`, each with a fake (meta) implementation giving its outputs'
 shapes, and the autograd formula joining them. They return new tensors only (no output aliases an
 input) and mutate nothing; every argument is a tensor or an int."""
+
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from kernels.nsa_attention import triton as kernels
+from kernels.nsa_attention.blocks import BlockRules
 from kernels.nsa_attention.triton import Knobs
 
 
@@ -72,8 +76,8 @@ def _backward(ctx, dout, *_):
 nsa_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def nsa_attention(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
-                  gates: Tensor, phases: Tensor, start: int, knobs: Knobs) -> tuple[Tensor, Tensor]:
+def run(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, gates: Tensor,
+        phases: Tensor, start: int, knobs: Knobs) -> tuple[Tensor, Tensor]:
     """The three gated branches on the Triton kernels -> out [b, n, heads, d] (passing gradient to every
     tensor but phases) and the chosen fine blocks [b, kv_heads, n, free] (int32, num_fine where unused)."""
     save = start == 0 and torch.is_grad_enabled() and any(
@@ -82,3 +86,19 @@ def nsa_attention(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tenso
     out, blocks, *_ = nsa_forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs.block,
                                   knobs.stride, knobs.fine, knobs.forced, knobs.free, knobs.window, save, fsa)
     return out, blocks
+
+
+def attend(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: Callable, block: int, stride: int,
+           rules: BlockRules, rotary, start: int, compressed: Optional[tuple[Tensor, Tensor]], record: bool
+           ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
+    """kernels.nsa_attention.nsa_attention on the fused kernels (shapes there): token-first tensors
+    straight into the kernels, the compressor run here (autograd through it)."""
+    k_cmp, v_cmp, *local = keys
+    kc, vc = compressed if compressed is not None else compress(k_cmp.transpose(1, 2), v_cmp.transpose(1, 2))
+    seq_k = start + q.shape[1]
+    knobs = Knobs(block, stride, rules.fine, rules.forced, rules.free(seq_k), rules.window)
+    out, blocks = run(q, kc, vc, *local, gates, rotary.phases(seq_k, q.device), start, knobs)
+    if not record:
+        return out, None
+    chosen = blocks < -(-seq_k // rules.fine)  # unused slots hold the number of fine blocks
+    return out, (blocks.long().masked_fill(~chosen, 0), chosen)
