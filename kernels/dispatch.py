@@ -22,7 +22,14 @@ KERNELS = ("auto", "torch", "cpu", "triton")
 C_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # computed in fp32 without loss
 
 
-TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up once: Triton is not imported here
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a module set to None
+        return False
+
+
+TRITON_INSTALLED = _installed("triton")  # looked up once, without importing Triton
 
 
 def triton_interpreting() -> bool:
