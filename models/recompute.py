@@ -119,7 +119,7 @@ class _Recipe:
                     value = F.linear(x.to(self.dtype), weight.to(self.dtype),
                                      None if bias is None else bias.to(self.dtype))
                 else:
-                    value = self.layer(x).to(self.dtype)
+                    value = self.layer(x.to(self.dtype)).to(self.dtype)
         self.pending -= 1
         self.value = value if self.pending > 0 else None  # the last view read: nothing kept
         return value

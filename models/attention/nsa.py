@@ -154,6 +154,22 @@ class BlockCompressor(nn.Module):
         return sum(terms[:, :, i : i + nc, i] for i in range(r))
 
 
+class InputProjection(nn.Module):
+    """x [b, n, dim] -> the query, key/value and gate-logit projections side by side, as one product
+    (their weights concatenated: the copy is weight-sized, not token-sized), without the gates' bias.
+    Its output is what a RecomputedLayers recipe recomputes, in the forward's dtype."""
+
+    def __init__(self, *layers: nn.Linear):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, torch.cat([layer.weight for layer in self.layers]).to(x.dtype))
+
+    def split(self, projected: Tensor) -> tuple[Tensor, ...]:
+        return projected.split([layer.out_features for layer in self.layers], dim=-1)
+
+
 class NativeSparseAttention(nn.Module):
     def __init__(
         self,
@@ -195,6 +211,9 @@ class NativeSparseAttention(nn.Module):
         self.to_kv = nn.Linear(dim, (1 if shared_kv else BRANCHES) * 2 * kv_heads * dim_head, bias=False)
         self.to_gates = nn.Linear(dim, BRANCHES * heads)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
+        # the three input projections run as one product (one launch, one product for x's gradient);
+        # held outside the module tree, so the parameters keep their names
+        self._project = (InputProjection(self.to_q, self.to_kv, self.to_gates),)
         hidden = max(1, int(dim_head * compress_hidden_mult))
         self.compress_k = BlockCompressor(kv_heads, compress_block_size, compress_stride, dim_head, hidden)
         self.compress_v = BlockCompressor(kv_heads, compress_block_size, compress_stride, dim_head, hidden)
@@ -210,11 +229,12 @@ class NativeSparseAttention(nn.Module):
         # recomputed from x instead (the CPU kernels: bench size at 8k, 616 -> 488 MB kept, dense 613);
         # not while a reversible stack recomputes this layer, whose backward follows at once
         with RecomputedLayers(enabled=cache is None and recomputation_pays(), armed=False) as projections:
-            q = projections.apply(self.to_q, x).unflatten(-1, (self.heads, self.dim_head))  # [b, n, heads, d]
+            q, keys, gates = self._project[0].split(projections.apply(self._project[0], x))
+            q = q.unflatten(-1, (self.heads, self.dim_head))  # [b, n, heads, d]
             # six [b, n, kv_heads, d] views of one projection: their gradients are stacked straight into its layout
-            keys = projections.apply(self.to_kv, x).unflatten(-1, (-1, self.kv_heads, self.dim_head)).unbind(2)
+            keys = keys.unflatten(-1, (-1, self.kv_heads, self.dim_head)).unbind(2)
             keys = keys * BRANCHES if self.shared_kv else keys
-            gates = self.to_gates(x).unflatten(-1, (BRANCHES, self.heads))  # [b, n, 3, heads]
+            gates = (gates + self.to_gates.bias.to(gates.dtype)).unflatten(-1, (BRANCHES, self.heads))  # [b, n, 3, heads]
             if self.gate_bias is not None:
                 gates = gates + torch.tensor(self.gate_bias, dtype=gates.dtype, device=x.device).view(-1, 1)
             if self.closed:

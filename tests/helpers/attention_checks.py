@@ -3,7 +3,7 @@ gradient, in train and eval mode) and cached decoding equal to the parallel forw
 
 import torch
 
-from models import recompute
+from kernels import recompute
 
 
 def logits_with_embedding(model, tokens):
@@ -94,7 +94,7 @@ def saved_bytes(layer, x):
 
 
 def assert_recomputation_changes_nothing(layer, x, monkeypatch):
-    """The training forward, whose attention is recomputed in the backward (models.recompute's
+    """The training forward, whose attention is recomputed in the backward (kernels.recompute.s
     `recomputed`), gives the output and gradients, to the bit, of the same forward keeping
     everything (random draws included: dropout, Gumbel noise; a layer's aux_loss included)."""
     results = []

@@ -162,16 +162,3 @@ def test_recomputed_keeps_only_its_inputs_and_gives_the_same_gradients():
     plain = _saved_storages(lambda: _tanh_chain(x).sum().backward())
     assert kept == {x.untyped_storage().data_ptr()} and len(plain) > 1
     torch.testing.assert_close(grad, x.grad, rtol=0, atol=0)
-
-
-def test_recomputed_is_a_plain_call_without_a_backward_or_inside_a_reversible_recomputation(monkeypatch):
-    calls = []
-    monkeypatch.setattr(recompute, "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
-    x = torch.randn(3, requires_grad=True)
-    with torch.no_grad():
-        recomputed(_tanh_chain, x)
-    with _recomputation():
-        recomputed(_tanh_chain, x)
-    assert not calls
-    recomputed(_tanh_chain, x)
-    assert calls == [_tanh_chain]

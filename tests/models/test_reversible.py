@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernels import span_attention
+from kernels import recompute as kernel_recompute
 from models import recompute
 from models.lm import dsa_lm, moba_lm, nsa_lm, routing_lm, sinkhorn_lm, transformer_lm
 
@@ -96,7 +97,7 @@ def test_bucketed_attention_is_not_checkpointed_inside_a_reversible_block(name, 
     """A reversible block is recomputed whole in the backward and its activations freed at once:
     a checkpoint of its attention would compute that attention a third time for nothing."""
     calls = []
-    monkeypatch.setattr(recompute, "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
+    monkeypatch.setattr(kernel_recompute, "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
     tokens = torch.randint(0, 32, (2, 12))
     MODELS[name](2, reversible=True).train()(tokens).sum().backward()
     assert not calls
@@ -115,7 +116,7 @@ def test_nsa_recomputes_nothing_of_its_own_inside_a_reversible_block(knobs, monk
     projections; the blocks' norms) are skipped while a reversible block is recomputed, whose
     activations are freed at once: they would compute those a third time for nothing."""
     calls, reads = [], []
-    monkeypatch.setattr(recompute, "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
+    monkeypatch.setattr(kernel_recompute, "checkpoint", lambda f, *args, use_reentrant: calls.append(f) or f(*args))
     read = recompute._Recipe.read
     monkeypatch.setattr(recompute._Recipe, "read", lambda recipe: reads.append(recipe) or read(recipe))
     tokens = torch.randint(0, 32, (2, 24))

@@ -156,17 +156,16 @@ def test_cpu_kernel_training_keeps_neither_projection(precision):
     (batch 2 with 2 kv heads: flattening (batch, kv heads) of a projection's view would copy; in
     bf16, the kernels' fp32 inputs would be copies)."""
     attn = NativeSparseAttention(dim=32, heads=4, dim_head=16, kernel="cpu", **KNOBS)
-    projections = []
-    for layer in (attn.to_q, attn.to_kv):
-        layer.register_forward_hook(lambda module, args, out: projections.append(out))
+    projections = []  # the query, key/value and gate projections run as one product
+    attn._project[0].register_forward_hook(lambda module, args, out: projections.append(out))
     saved = []
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     with autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = attn(torch.randn(2, 40, 32, requires_grad=True))
-    assert len(projections) == 2 and saved
+    assert len(projections) == 1 and saved
     storages = {t.untyped_storage().data_ptr() for t in projections}
     assert not storages & {t.untyped_storage().data_ptr() for t in saved}
-    q, kv = projections
+    q, kv, _ = attn._project[0].split(projections[0])
     views = [rearrange(q, "b n (h g d) -> b h g n d", h=attn.kv_heads, g=attn.group)]  # as the kernels take them
     views += [t.transpose(1, 2) for t in kv.unflatten(-1, (6, attn.kv_heads, -1)).unbind(2)]
     copies = [t for t in saved for v in views for view in (v, v.flatten(0, 1))
