@@ -16,7 +16,9 @@ Launches (rows = blocks per program, BC = 64):
                               from the <= ceil(block / stride) blocks covering it (no atomics)
     compress_backward_weights grid (block + 1, heads): dw1 one block position per program (summed over
                               batch and blocks), db1 and dpos, and the last program sums dw2's parts
-Every sum is in a fixed order: the gradients are deterministic.
+Every sum is in a fixed order: the gradients are deterministic. Products take x's dtype (weight
+tiles cast to it, as autocast casts them for a matmul: fp32 weights under a bf16 x run on bf16 tensor
+cores), with fp32 accumulation; the gradients leave in their tensors' dtypes.
 """
 
 from typing import Optional
@@ -71,7 +73,9 @@ def _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride
     Overlapping blocks simply read their shared tokens again."""
     dd = tl.arange(0, D)
     tokens = start + rows * stride + t
-    xt = tl.load(x + b * sxb + h * sxh + tokens[:, None] * sxn + dd[None, :] * sxd, mask=live[:, None], other=0.0)
+    # 64-bit offsets: a batch of long sequences in the key/value projection's layout passes 2**31 elements
+    rows_x = x + tl.cast(b, tl.int64) * sxb + h * sxh + tokens[:, None] * sxn
+    xt = tl.load(rows_x + dd[None, :] * sxd, mask=live[:, None], other=0.0)
     pt = tl.load(pos + (h * block + t) * D + dd)
     return tl.where(live[:, None], xt.to(tl.float32) + pt.to(tl.float32)[None, :], 0.0)
 
@@ -93,7 +97,7 @@ def _pre_activation(x, pos, w1, b1, b, h, rows, live, sxb, sxn, sxh, sxd, start,
     acc = tl.zeros((BC, HP), dtype=tl.float32)
     for t in range(0, block):
         a = _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride, block, D)
-        acc += pv(a, _w1_slice(w1, h, t, block, hidden, D, HP), USE_DOT)
+        acc += pv(a, _w1_slice(w1, h, t, block, hidden, D, HP).to(x.dtype.element_ty), USE_DOT)
     return acc + tl.load(b1 + h * hidden + hh, mask=hh < hidden, other=0.0).to(tl.float32)[None, :]
 
 
@@ -112,9 +116,9 @@ def _compress_forward(x, pos, w1, b1, w2, out, sxb, sxn, sxh, sxd, sob, soc, soh
     live = rows < nc
     pre = _pre_activation(x, pos, w1, b1, b, h, rows, live, sxb, sxn, sxh, sxd, start, stride, block, hidden,
                           D, HP, BC, USE_DOT)
-    o = pv(_gelu(pre), _w2_tile(w2, h, hidden, D, HP), USE_DOT)
+    o = pv(_gelu(pre), _w2_tile(w2, h, hidden, D, HP).to(x.dtype.element_ty), USE_DOT)
     dd = tl.arange(0, D)
-    ptrs = out + b * sob + h * soh + rows[:, None] * soc + dd[None, :]
+    ptrs = out + tl.cast(b, tl.int64) * sob + h * soh + rows[:, None] * soc + dd[None, :]
     tl.store(ptrs, o.to(out.dtype.element_ty), mask=live[:, None])
 
 
@@ -129,8 +133,9 @@ def _compress_backward_rows(x, pos, w1, b1, w2, dout, dpre, dw2_parts, sxb, sxn,
     # the pre-activation is recomputed, not saved: it is as large as the output times hidden / dim_head
     pre = _pre_activation(x, pos, w1, b1, b, h, rows, live, sxb, sxn, sxh, sxd, start, stride, block, hidden,
                           D, HP, BC, USE_DOT)
-    w2t = _w2_tile(w2, h, hidden, D, HP)
-    g = tl.load(dout + b * sgb + h * sgh + rows[:, None] * sgc + dd[None, :] * sgd, mask=live[:, None], other=0.0)
+    w2t = _w2_tile(w2, h, hidden, D, HP).to(x.dtype.element_ty)
+    rows_g = dout + tl.cast(b, tl.int64) * sgb + h * sgh + rows[:, None] * sgc
+    g = tl.load(rows_g + dd[None, :] * sgd, mask=live[:, None], other=0.0)
     dhid = qk(g.to(w2t.dtype), w2t, USE_DOT)  # [BC, HP]
     keep = live[:, None] & (hh < hidden)[None, :]
     dp = tl.where(keep, dhid * _gelu_grad(pre), 0.0)
@@ -155,11 +160,11 @@ def _compress_backward_tokens(w1, dpre, dx, sdb, sdn, sdh, heads, seq, nc, first
             c = i - first - q
             ok = (c >= 0) & (c < nc)
             dp = tl.load(dpre + ((b * heads + h) * nc + c[:, None]) * HP + hh[None, :], mask=ok[:, None], other=0.0)
-            w1t = _w1_slice(w1, h, q * stride + u, block, hidden, D, HP)
+            w1t = _w1_slice(w1, h, q * stride + u, block, hidden, D, HP).to(dx.dtype.element_ty)
             acc += qk(dp.to(w1t.dtype), w1t, USE_DOT)  # dpre @ w1_t^T: [BC, D]
         tokens = i * stride + u  # tokens covered by no block (before `first`, the tail) get 0
-        tl.store(dx + b * sdb + h * sdh + tokens[:, None] * sdn + dd[None, :], acc.to(dx.dtype.element_ty),
-                 mask=(tokens < seq)[:, None])
+        rows_dx = dx + tl.cast(b, tl.int64) * sdb + h * sdh + tokens[:, None] * sdn
+        tl.store(rows_dx + dd[None, :], acc.to(dx.dtype.element_ty), mask=(tokens < seq)[:, None])
 
 
 @triton.jit
@@ -178,7 +183,7 @@ def _compress_backward_weights(x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2,
                 a = _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride, block, D)
                 dp = tl.load(dpre + ((b * heads + h) * nc + rows[:, None]) * HP + hh[None, :], mask=live[:, None],
                              other=0.0)
-                acc += _tn(a, dp, USE_DOT)
+                acc += _tn(a, dp.to(x.dtype.element_ty), USE_DOT)
                 dbias += tl.sum(dp, axis=0)
         tl.store(dw1 + ((h * block + t) * D + dd[:, None]) * hidden + hh[None, :], acc.to(dw1.dtype.element_ty),
                  mask=(hh < hidden)[None, :])
@@ -212,7 +217,7 @@ def _record(name: str, grid: tuple, block: int) -> None:
 
 def _meta(x: Tensor, w1: Tensor) -> dict:
     hp = hidden_tile(w1.shape[2])
-    return dict(D=x.shape[3], HP=hp, BC=BC, USE_DOT=tiles_usable(w1.dtype, 16, x.shape[3], hp))
+    return dict(D=x.shape[3], HP=hp, BC=BC, USE_DOT=tiles_usable(x.dtype, 16, x.shape[3], hp))
 
 
 def forward(x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, block: int, stride: int, first: int

@@ -112,6 +112,26 @@ def test_values_and_every_gradient_match_the_definition(case, kernel):
         torch.testing.assert_close(grad.double(), want_grad, atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("kernel, weights", [("torch", "bf16-weights"),
+                                             pytest.param("triton", "bf16-weights", marks=triton),
+                                             pytest.param("triton", "fp32-weights", marks=triton)])
+def test_bf16_inputs(kernel, weights):
+    """bf16 x (as under autocast): a bf16 output and x gradient, each weight's gradient in its own
+    dtype, all within bf16's rounding of the definition. fp32 weights under a bf16 x (a model's
+    parameters under autocast) only for the custom op: plain einsums take one dtype, autocast casts them."""
+    case = Case(1, 30, 2, 16, 8, 4, hidden=24)
+    tensors = inputs(case)
+    x, params = tensors[0].bfloat16(), [t.bfloat16() if weights == "bf16-weights" else t for t in tensors[1:]]
+    dout = torch.randn(1, case.blocks, 2, 16, generator=torch.Generator().manual_seed(1))
+    k = dict(block=case.block, stride=case.stride)
+    got, grads = values_and_grads(lambda *t: compress_blocks(*t, **k, kernel=kernel), [x, *params], dout.bfloat16())
+    want, want_grads = values_and_grads(lambda *t: naive(*t, **k), [t.double() for t in (x, *params)], dout.double())
+    assert got.dtype == torch.bfloat16 and [g.dtype for g in grads] == [t.dtype for t in (x, *params)]
+    for name, value, reference in zip(("out", "x", "pos", "w1", "b1", "w2"), (got, *grads), (want, *want_grads)):
+        error = (value.double() - reference).abs().max()
+        assert error <= 0.02 * reference.abs().max(), f"{name}: {error:.3g} off, of {reference.abs().max():.3g}"
+
+
 @pytest.mark.parametrize("case", [Case(2, 40, 2, 16, 8, 4, first=1), Case(1, 29, 2, 16, 6, 4, hidden=12)], ids=str)
 def test_torch_path_is_block_compressor_in_fp64(case):
     """The torch path is models/attention/nsa.py's BlockCompressor.compress on the head-first layout,
