@@ -11,7 +11,7 @@ with pos a learned intra-block position embedding. Two implementations:
 
     torch   the readable path (einsums; any device and dtype, fp64 included)
     triton  compressor_triton.py's kernels as the custom operators sparse_attention::compress_forward
-            and sparse_attention::compress_backward (1 launch forward, 3 backward), so torch.compile and
+            and sparse_attention::compress_backward (1 launch forward, 2 backward), so torch.compile and
             CUDA graphs see through them
 
 x may be a strided view (a token stride larger than heads * dim_head, as a slice of the key/value

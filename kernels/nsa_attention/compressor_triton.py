@@ -1,5 +1,5 @@
 """NSA's block compressor (keys' and values' MLPs, one set of weights over their heads) in Triton:
-one launch forward, three backward. kernels/nsa_attention/compressor.py states the op and holds the
+one launch forward, two backward. kernels/nsa_attention/compressor.py states the op and holds the
 readable torch path; this file only runs it.
 
 For head h, block c covers tokens start + c * stride + [0, block) of x [batch, seq, heads, dim_head]
@@ -9,13 +9,14 @@ For head h, block c covers tokens start + c * stride + [0, block) of x [batch, s
     out[c]  = gelu(pre[c]) @ w2
 
 Launches (rows = blocks per program, BC = 64):
-    compress_forward          grid (tiles of BC blocks, heads, batch): out
-    compress_backward_rows    same grid: recomputes pre, writes its gradient dpre [batch, heads, blocks,
-                              HP] (fp32) and each program's part of dw2
-    compress_backward_tokens  grid (tiles of BC token strides, heads, batch): dx, each token gathering
-                              from the <= ceil(block / stride) blocks covering it (no atomics)
-    compress_backward_weights grid (block + 1, heads): dw1 one block position per program (summed over
-                              batch and blocks), db1 and dpos, and the last program sums dw2's parts
+    compress_forward                  grid (tiles of BC blocks, heads, batch): out
+    compress_backward_rows            same grid: recomputes pre, writes its gradient dpre [batch, heads,
+                                      blocks, HP] (fp32) and each program's part of dw2
+    compress_backward_inputs_weights  one flat grid of two kinds of program:
+        (block + 1) * heads   dw1 one block position per program (summed over batch and blocks), its
+                              dpos, db1; the last of a head's sums dw2's parts
+        (tiles of BC token strides) * heads * batch   dx, each token gathering from the
+                              <= ceil(block / stride) blocks covering it (no atomics)
 Every sum is in a fixed order: the gradients are deterministic. Products take x's dtype (weight
 tiles cast to it, as autocast casts them for a matmul: fp32 weights under a bf16 x run on bf16 tensor
 cores), with fp32 accumulation; the gradients leave in their tensors' dtypes.
@@ -147,9 +148,9 @@ def _compress_backward_rows(x, pos, w1, b1, w2, dout, dpre, dw2_parts, sxb, sxn,
 
 
 @triton.jit
-def _compress_backward_tokens(w1, dpre, dx, sdb, sdn, sdh, heads, seq, nc, first, stride, block, hidden,
-                              D: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr):
-    tile, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _token_gradients(w1, dpre, dx, tile, h, b, sdb, sdn, sdh, heads, seq, nc, first, stride, block, hidden,
+                     D: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr):
+    """dx for token strides [tile * BC, (tile + 1) * BC) of head h, batch b."""
     i = tile * BC + tl.arange(0, BC)  # token strides: tokens i * stride + u, u < stride
     dd, hh = tl.arange(0, D), tl.arange(0, HP)
     for u in range(0, stride):
@@ -168,10 +169,11 @@ def _compress_backward_tokens(w1, dpre, dx, sdb, sdn, sdh, heads, seq, nc, first
 
 
 @triton.jit
-def _compress_backward_weights(x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2, sxb, sxn, sxh, sxd,
-                               batch, heads, nc, parts, start, stride, block, hidden,
-                               D: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr):
-    t, h = tl.program_id(0), tl.program_id(1)
+def _weight_gradients(x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2, t, h, sxb, sxn, sxh, sxd,
+                      batch, heads, nc, parts, start, stride, block, hidden,
+                      D: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr):
+    """Block position t < block of head h: dw1[h, t * D : (t + 1) * D] over every batch and block, dpos[h, t]
+    (and db1[h] at t = 0); t = block: dw2[h], the sum of the rows' parts."""
     dd, hh = tl.arange(0, D), tl.arange(0, HP)
     if t < block:
         acc = tl.zeros((D, HP), dtype=tl.float32)
@@ -199,6 +201,26 @@ def _compress_backward_weights(x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2,
             acc2 += tl.load(dw2_parts + ((p * heads + h) * HP + hh[:, None]) * D + dd[None, :])
         tl.store(dw2 + (h * hidden + hh[:, None]) * D + dd[None, :], acc2.to(dw2.dtype.element_ty),
                  mask=(hh < hidden)[:, None])
+
+
+@triton.jit
+def _compress_backward_inputs_weights(x, pos, w1, dpre, dw2_parts, dx, dpos, dw1, db1, dw2, sxb, sxn, sxh, sxd,
+                                      sdb, sdn, sdh, batch, heads, seq, nc, parts, first, stride, block, hidden,
+                                      TOKEN_TILES, D: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr,
+                                      USE_DOT: tl.constexpr):
+    """One launch for both what reads only dpre and the inputs: the (block + 1) * heads weight programs
+    first (each walks every block: started first, they do not trail), then a program per (tile of token
+    strides, head, batch) for dx."""
+    pid = tl.program_id(0)
+    weights = (block + 1) * heads
+    if pid < weights:
+        _weight_gradients(x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2, pid // heads, pid % heads, sxb, sxn, sxh,
+                          sxd, batch, heads, nc, parts, first * stride, stride, block, hidden, D, HP, BC, USE_DOT)
+    else:
+        rest = pid - weights
+        tile, h, b = rest % TOKEN_TILES, (rest // TOKEN_TILES) % heads, rest // (TOKEN_TILES * heads)
+        _token_gradients(w1, dpre, dx, tile, h, b, sdb, sdn, sdh, heads, seq, nc, first, stride, block, hidden,
+                         D, HP, BC, USE_DOT)
 
 
 def num_blocks(seq: int, block: int, stride: int, first: int) -> int:
@@ -258,13 +280,10 @@ def backward(dout: Tensor, x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: T
         _compress_backward_rows[grid](x, pos, w1, b1, w2, dout, dpre, dw2_parts, *x.stride(), *dout.stride(), heads,
                                       nc, first * stride, stride, block, hidden, **meta)
         _record("compress_backward_rows", grid, block)
-    if seq and batch:
-        grid = (triton.cdiv(triton.cdiv(seq, stride), BC), heads, batch)
-        _compress_backward_tokens[grid](w1, dpre, dx, dx.stride(0), dx.stride(1), dx.stride(2), heads, seq, nc, first,
-                                        stride, block, hidden, **meta)
-        _record("compress_backward_tokens", grid, block)
-    grid = (block + 1, heads)
-    _compress_backward_weights[grid](x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2, *x.stride(), batch, heads, nc,
-                                     batch * tiles, first * stride, stride, block, hidden, **meta)
-    _record("compress_backward_weights", grid, block)
+    token_tiles = triton.cdiv(triton.cdiv(seq, stride), BC)  # tokens i * stride + u, u < stride
+    grid = ((block + 1) * heads + token_tiles * heads * batch,)
+    _compress_backward_inputs_weights[grid](x, pos, w1, dpre, dw2_parts, dx, dpos, dw1, db1, dw2, *x.stride(),
+                                            dx.stride(0), dx.stride(1), dx.stride(2), batch, heads, seq, nc,
+                                            batch * tiles, first, stride, block, hidden, token_tiles, **meta)
+    _record("compress_backward_inputs_weights", grid, block)
     return dx, dpos, dw1, db1, dw2
