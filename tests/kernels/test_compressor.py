@@ -98,7 +98,9 @@ def test_values_and_every_gradient_match_the_definition(case, kernel):
     tensors = inputs(case)
     assert case.strided == (not tensors[0].is_contiguous())
     k = dict(block=case.block, stride=case.stride, first=case.first)
-    dout = torch.randn(case.batch, case.blocks, case.heads, case.dim, generator=torch.Generator().manual_seed(1))
+    # the output's gradient head-first, as a consumer that transposes the output passes it back: strided
+    dout = torch.randn(case.batch, case.heads, case.blocks, case.dim,
+                       generator=torch.Generator().manual_seed(1)).transpose(1, 2)
     want, want_grads = values_and_grads(lambda *t: naive(*t, **k), [t.double() for t in tensors], dout.double())
     got, grads = values_and_grads(lambda *t: compress_blocks(*t, **k, kernel=kernel), tensors, dout)
     assert got.shape == (case.batch, case.blocks, case.heads, case.dim) and got.dtype == torch.float32
