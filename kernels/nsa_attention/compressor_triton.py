@@ -13,8 +13,9 @@ Launches (rows = blocks per program, BC = 64):
     compress_backward_rows            same grid: recomputes pre, writes its gradient dpre [batch, heads,
                                       blocks, HP] (fp32) and each program's part of dw2
     compress_backward_inputs_weights  one flat grid of two kinds of program:
-        (block + 1) * heads   dw1 one block position per program (summed over batch and blocks), its
-                              dpos, db1; the last of a head's sums dw2's parts
+        (block * dim_head / BD + 1) * heads   dw1 BD <= 64 rows of one block position's slice per
+                              program (summed over batch and blocks), its dpos, db1; the last of a
+                              head's sums dw2's parts
         (tiles of BC token strides) * heads * batch   dx, each token gathering from the
                               <= ceil(block / stride) blocks covering it (no atomics)
 Every sum is in a fixed order: the gradients are deterministic. Products take x's dtype (weight
@@ -34,6 +35,7 @@ from kernels.triton_tiles import power_of_two, pv, qk, refuse, tiles_usable
 
 BC = 64  # blocks (or token strides) per program: a tensor-core tile's rows
 MAX_HIDDEN = 256  # the hidden layer is held whole: [BC, HP] fp32 per program
+WEIGHT_ROWS = 64  # rows of a block position's [dim_head, hidden] slice of dw1 per program: no more held
 
 
 def hidden_tile(hidden: int) -> int:
@@ -68,11 +70,11 @@ def _tn(a, b, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride, block,
-                  D: tl.constexpr):
-    """Position t of blocks `rows` with its position embedding added -> [BC, D] fp32, 0 where not live.
-    Overlapping blocks simply read their shared tokens again."""
-    dd = tl.arange(0, D)
+def _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride, block, d0,
+                  D: tl.constexpr, DW: tl.constexpr):
+    """Position t of blocks `rows`, features [d0, d0 + DW), with its position embedding added -> [BC, DW]
+    fp32, 0 where not live. Overlapping blocks simply read their shared tokens again."""
+    dd = d0 + tl.arange(0, DW)
     tokens = start + rows * stride + t
     # 64-bit offsets: a batch of long sequences in the key/value projection's layout passes 2**31 elements
     rows_x = x + tl.cast(b, tl.int64) * sxb + h * sxh + tokens[:, None] * sxn
@@ -82,10 +84,10 @@ def _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride
 
 
 @triton.jit
-def _w1_slice(w1, h, t, block, hidden, D: tl.constexpr, HP: tl.constexpr):
-    """w1[h, t * D : (t + 1) * D] -> [D, HP], 0 in the padding columns."""
-    dd, hh = tl.arange(0, D), tl.arange(0, HP)
-    rows = (h * block + t) * D + dd
+def _w1_slice(w1, h, t, block, hidden, d0, D: tl.constexpr, DW: tl.constexpr, HP: tl.constexpr):
+    """w1[h, t * D + d0 : t * D + d0 + DW] -> [DW, HP], 0 in the padding columns."""
+    dd, hh = tl.arange(0, DW), tl.arange(0, HP)
+    rows = (h * block + t) * D + d0 + dd
     return tl.load(w1 + rows[:, None] * hidden + hh[None, :], mask=(hh < hidden)[None, :], other=0.0)
 
 
@@ -97,8 +99,8 @@ def _pre_activation(x, pos, w1, b1, b, h, rows, live, sxb, sxn, sxh, sxd, start,
     hh = tl.arange(0, HP)
     acc = tl.zeros((BC, HP), dtype=tl.float32)
     for t in range(0, block):
-        a = _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride, block, D)
-        acc += pv(a, _w1_slice(w1, h, t, block, hidden, D, HP).to(x.dtype.element_ty), USE_DOT)
+        a = _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride, block, 0, D, D)
+        acc += pv(a, _w1_slice(w1, h, t, block, hidden, 0, D, D, HP).to(x.dtype.element_ty), USE_DOT)
     return acc + tl.load(b1 + h * hidden + hh, mask=hh < hidden, other=0.0).to(tl.float32)[None, :]
 
 
@@ -161,7 +163,7 @@ def _token_gradients(w1, dpre, dx, tile, h, b, sdb, sdn, sdh, heads, seq, nc, fi
             c = i - first - q
             ok = (c >= 0) & (c < nc)
             dp = tl.load(dpre + ((b * heads + h) * nc + c[:, None]) * HP + hh[None, :], mask=ok[:, None], other=0.0)
-            w1t = _w1_slice(w1, h, q * stride + u, block, hidden, D, HP).to(dx.dtype.element_ty)
+            w1t = _w1_slice(w1, h, q * stride + u, block, hidden, 0, D, D, HP).to(dx.dtype.element_ty)
             acc += qk(dp.to(w1t.dtype), w1t, USE_DOT)  # dpre @ w1_t^T: [BC, D]
         tokens = i * stride + u  # tokens covered by no block (before `first`, the tail) get 0
         rows_dx = dx + tl.cast(b, tl.int64) * sdb + h * sdh + tokens[:, None] * sdn
@@ -169,31 +171,34 @@ def _token_gradients(w1, dpre, dx, tile, h, b, sdb, sdn, sdh, heads, seq, nc, fi
 
 
 @triton.jit
-def _weight_gradients(x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2, t, h, sxb, sxn, sxh, sxd,
+def _weight_gradients(x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2, j, h, sxb, sxn, sxh, sxd,
                       batch, heads, nc, parts, start, stride, block, hidden,
-                      D: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr):
-    """Block position t < block of head h: dw1[h, t * D : (t + 1) * D] over every batch and block, dpos[h, t]
-    (and db1[h] at t = 0); t = block: dw2[h], the sum of the rows' parts."""
+                      D: tl.constexpr, BD: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr):
+    """Program j < block * D / BD of head h: block position t = j // (D / BD), features d0 + [0, BD):
+    those rows of dw1[h] summed over every batch and block, of dpos[h, t] (and db1[h] at j = 0);
+    j = block * D / BD: dw2[h], the sum of the rows' parts."""
     dd, hh = tl.arange(0, D), tl.arange(0, HP)
+    t, d0 = j // (D // BD), (j % (D // BD)) * BD  # BD features a program: [BD, HP] held, not [D, HP]
     if t < block:
-        acc = tl.zeros((D, HP), dtype=tl.float32)
+        db = d0 + tl.arange(0, BD)
+        acc = tl.zeros((BD, HP), dtype=tl.float32)
         dbias = tl.zeros((HP,), dtype=tl.float32)
         for b in range(0, batch):
             for c0 in range(0, nc, BC):
                 rows = c0 + tl.arange(0, BC)
                 live = rows < nc
-                a = _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride, block, D)
+                a = _block_inputs(x, pos, b, h, t, rows, live, sxb, sxn, sxh, sxd, start, stride, block, d0, D, BD)
                 dp = tl.load(dpre + ((b * heads + h) * nc + rows[:, None]) * HP + hh[None, :], mask=live[:, None],
                              other=0.0)
                 acc += _tn(a, dp.to(x.dtype.element_ty), USE_DOT)
                 dbias += tl.sum(dp, axis=0)
-        tl.store(dw1 + ((h * block + t) * D + dd[:, None]) * hidden + hh[None, :], acc.to(dw1.dtype.element_ty),
+        tl.store(dw1 + ((h * block + t) * D + db[:, None]) * hidden + hh[None, :], acc.to(dw1.dtype.element_ty),
                  mask=(hh < hidden)[None, :])
         # pos[t] enters pre as every block's input at t does: its gradient is the sum over blocks of
         # dpre @ w1_t^T = (sum of dpre) @ w1_t^T, the bias's gradient through w1_t
-        w1t = _w1_slice(w1, h, t, block, hidden, D, HP).to(tl.float32)
-        tl.store(dpos + (h * block + t) * D + dd, tl.sum(w1t * dbias[None, :], axis=1).to(dpos.dtype.element_ty))
-        if t == 0:
+        w1t = _w1_slice(w1, h, t, block, hidden, d0, D, BD, HP).to(tl.float32)
+        tl.store(dpos + (h * block + t) * D + db, tl.sum(w1t * dbias[None, :], axis=1).to(dpos.dtype.element_ty))
+        if j == 0:
             tl.store(db1 + h * hidden + hh, dbias.to(db1.dtype.element_ty), mask=hh < hidden)
     else:
         acc2 = tl.zeros((HP, D), dtype=tl.float32)
@@ -206,16 +211,16 @@ def _weight_gradients(x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2, t, h, sx
 @triton.jit
 def _compress_backward_inputs_weights(x, pos, w1, dpre, dw2_parts, dx, dpos, dw1, db1, dw2, sxb, sxn, sxh, sxd,
                                       sdb, sdn, sdh, batch, heads, seq, nc, parts, first, stride, block, hidden,
-                                      TOKEN_TILES, D: tl.constexpr, HP: tl.constexpr, BC: tl.constexpr,
-                                      USE_DOT: tl.constexpr):
-    """One launch for both what reads only dpre and the inputs: the (block + 1) * heads weight programs
-    first (each walks every block: started first, they do not trail), then a program per (tile of token
-    strides, head, batch) for dx."""
+                                      TOKEN_TILES, D: tl.constexpr, BD: tl.constexpr, HP: tl.constexpr,
+                                      BC: tl.constexpr, USE_DOT: tl.constexpr):
+    """One launch for both what reads only dpre and the inputs: the (block * D / BD + 1) * heads weight
+    programs first (each walks every block: started first, they do not trail), then a program per (tile
+    of token strides, head, batch) for dx."""
     pid = tl.program_id(0)
-    weights = (block + 1) * heads
+    weights = (block * (D // BD) + 1) * heads
     if pid < weights:
         _weight_gradients(x, pos, w1, dpre, dw2_parts, dpos, dw1, db1, dw2, pid // heads, pid % heads, sxb, sxn, sxh,
-                          sxd, batch, heads, nc, parts, first * stride, stride, block, hidden, D, HP, BC, USE_DOT)
+                          sxd, batch, heads, nc, parts, first * stride, stride, block, hidden, D, BD, HP, BC, USE_DOT)
     else:
         rest = pid - weights
         tile, h, b = rest % TOKEN_TILES, (rest // TOKEN_TILES) % heads, rest // (TOKEN_TILES * heads)
@@ -281,9 +286,10 @@ def backward(dout: Tensor, x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: T
                                       nc, first * stride, stride, block, hidden, **meta)
         _record("compress_backward_rows", grid, block)
     token_tiles = triton.cdiv(triton.cdiv(seq, stride), BC)  # tokens i * stride + u, u < stride
-    grid = ((block + 1) * heads + token_tiles * heads * batch,)
+    bd = min(dim, WEIGHT_ROWS)
+    grid = ((block * (dim // bd) + 1) * heads + token_tiles * heads * batch,)
     _compress_backward_inputs_weights[grid](x, pos, w1, dpre, dw2_parts, dx, dpos, dw1, db1, dw2, *x.stride(),
                                             dx.stride(0), dx.stride(1), dx.stride(2), batch, heads, seq, nc,
-                                            batch * tiles, first, stride, block, hidden, token_tiles, **meta)
+                                            batch * tiles, first, stride, block, hidden, token_tiles, BD=bd, **meta)
     _record("compress_backward_inputs_weights", grid, block)
     return dx, dpos, dw1, db1, dw2

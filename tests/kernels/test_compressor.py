@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.runtime.op_counts import count_ops
+from kernels.nsa_attention import compressor_triton
 from kernels.nsa_attention.compressor import compress_backward, compress_blocks, compress_forward
 from models.attention.nsa import BlockCompressor
 
@@ -145,6 +146,23 @@ def test_torch_path_is_block_compressor_in_fp64(case):
     torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(ours, naive(x, pos, w1, b1, w2, case.block, case.stride, case.first),
                                atol=1e-12, rtol=1e-12)
+
+
+@triton
+def test_triton_weight_gradients_split_over_features(monkeypatch):
+    """dw1's programs hold WEIGHT_ROWS of a block position's dim_head rows each (64 on a GPU): at 16, a
+    dim_head of 32 splits in two, and every gradient still matches the definition."""
+    monkeypatch.setattr(compressor_triton, "WEIGHT_ROWS", 16)
+    case = Case(1, 26, 2, 32, 6, 4, hidden=24)
+    tensors = inputs(case)
+    dout = torch.randn(1, case.blocks, 2, 32)
+    k = dict(block=case.block, stride=case.stride)
+    with count_ops() as counts:
+        _, grads = values_and_grads(lambda *t: compress_blocks(*t, **k, kernel="triton"), tensors, dout)
+    _, want_grads = values_and_grads(lambda *t: naive(*t, **k), [t.double() for t in tensors], dout.double())
+    assert counts.triton[-1].grid[0] == (6 * 2 + 1) * 2 + 1 * 2 * 1  # the split weight programs, then dx's
+    for name, grad, want_grad in zip(("x", "pos", "w1", "b1", "w2"), grads, want_grads):
+        torch.testing.assert_close(grad.double(), want_grad, atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 @triton
