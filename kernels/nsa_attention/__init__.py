@@ -27,8 +27,9 @@ from kernels import dispatch
 from kernels import span_attention as spans
 from kernels.nsa_attention.blocks import BlockRules, compressed_blocks
 
-# compress(k_cmp, v_cmp [b, kv_heads, n, d]) -> kc, vc [b, kv_heads, blocks, d]: the learned compressor
-Compress = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+# compress() -> kc, vc [b, kv_heads, blocks, d]: the learned compressor over the compressed branch's
+# keys and values (a closure: a path may call it again in its backward, to recompute)
+Compress = Callable[[], tuple[Tensor, Tensor]]
 BRANCHES = 3  # compressed, selected, window: the gates' order
 
 
@@ -61,10 +62,10 @@ def nsa_attention(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: 
     """The three branches mixed by their sigmoid gates, for queries at positions start.. .
 
     q          [batch, seq_q, heads, dim_head]         queries, before rotary positions
-    keys       six [batch, seq_k, kv_heads, dim_head]  raw keys and values of the compressed, selected
-                                                       and window branches (seq_k = start + seq_q), before rotary
+    keys       four [batch, seq_k, kv_heads, dim_head] keys and values of the selected and window
+                                                       branches (seq_k = start + seq_q), before rotary
     gates      [batch, seq_q, 3, heads]                gate logits, branches in that order (-inf: closed)
-    compress   the learned compressor (Compress), called on the compressed branch's keys and values
+    compress   the learned compressor of the compressed branch's keys and values (Compress)
     block, stride   compressed blocks of `block` tokens every `stride`
     rules      fine blocks, how many are selected, the window
     rotary     the rotary embedding (a Rotary: rotates tensors, and gives the kernels its phases)

@@ -56,12 +56,12 @@ class Branches:
 
     def train(self, q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress) -> Tensor:
         """A training step from position 0: selection once without gradient, each branch checkpointed."""
-        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = keys
+        k_slc, v_slc, k_win, v_win = keys
         with torch.no_grad():
-            kc, _ = compress(k_cmp, v_cmp)
+            kc, _ = compress()
             scores, indices = block_selection(q.flatten(0, 1), kc.flatten(0, 1), 0, self.block, self.stride,
-                                              self.rules.fine, self.rules.chooser(k_cmp.shape[2]))
-        out = checkpoint(self._compressed, q, k_cmp, v_cmp, gates[0], compress, use_reentrant=False,
+                                              self.rules.fine, self.rules.chooser(k_slc.shape[2]))
+        out = checkpoint(self._compressed, q, gates[0], compress, use_reentrant=False,
                          context_fn=_keep_causal_attention)
         out = out + checkpoint(self._selected, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
         return out + checkpoint(self._window, q, k_win, v_win, gates[2], use_reentrant=False)
@@ -73,12 +73,12 @@ class Branches:
         cache's compressed keys, else compressed here) -> out, and the freely chosen blocks
         (indices, valid) [b, h, n, free]."""
         b, h, g, m, d = q.shape
-        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = keys
+        k_slc, v_slc, k_win, v_win = keys
         rotary = self.rotary if start else None  # after a cache, its keys are rotated where they are read
         if rotary is None:
             k_slc, k_win = self.rotary(torch.stack((k_slc, k_win)), 0)
         q_rot = self.rotary(q.flatten(1, 2), start).view_as(q)
-        kc, vc = compressed if compressed is not None else compress(k_cmp, v_cmp)
+        kc, vc = compressed if compressed is not None else compress()
         out_cmp, scores, indices = compressed_attention(
             q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.block, self.stride, self.rules.fine,
             self.rules.chooser(k_slc.shape[2]), importance_grad=importance_grad)
@@ -89,8 +89,8 @@ class Branches:
         out = gates[0] * out_cmp.view_as(q) + gates[1] * out_slc + gates[2] * out_win
         return out, (indices, scores > float("-inf"))
 
-    def _compressed(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, gate: Tensor, compress) -> Tensor:
-        kc, vc = compress(k_cmp, v_cmp)
+    def _compressed(self, q: Tensor, gate: Tensor, compress) -> Tensor:
+        kc, vc = compress()
         out = causal_block_attention(q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.block, self.stride)
         return torch.sigmoid(gate) * out.view_as(q)
 

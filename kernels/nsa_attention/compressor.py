@@ -18,27 +18,41 @@ x may be a strided view (a token stride larger than heads * dim_head, as a slice
 projection's output): neither path copies it.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.nsa_attention import compressor_triton as kernels
-from kernels.nsa_attention.compressor_triton import num_blocks
+from kernels import dispatch
+from kernels.nsa_attention.blocks import compressed_blocks
 
-KERNELS = ("torch", "triton")
+MAX_HIDDEN = 256  # the Triton kernels hold the hidden layer whole: [64, hidden] fp32 per program
+
+
+def num_blocks(seq: int, block: int, stride: int, first: int) -> int:
+    """Complete blocks from block index `first` on."""
+    return compressed_blocks(seq - first * stride, block, stride)
+
+
+def triton_problem(dim_head: int, hidden: int) -> Optional[str]:
+    """What the Triton kernels need that this shape lacks (one phrase, to follow "needs"), or None."""
+    return dispatch.power_of_two("dim_head", dim_head, 256, low=16, verb="to be") or (
+        f"the compressor's hidden width ({hidden}) to be at most {MAX_HIDDEN}" if hidden > MAX_HIDDEN else None)
 
 
 def compress_blocks(x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, block: int, stride: int,
-                    first: int = 0, kernel: str = "torch") -> Tensor:
+                    first: int = 0, kernel: str = "auto") -> Tensor:
     """x [batch, seq, heads, dim_head], pos [heads, block, dim_head], w1 [heads, block * dim_head, hidden],
     b1 [heads, 1, hidden], w2 [heads, hidden, dim_head] -> [batch, blocks, heads, dim_head]: the
     compressed complete blocks from block index `first` on (decoding compresses only the blocks its
-    new tokens complete), blocks = max(0, (seq - first * stride - block) // stride + 1)."""
-    if kernel == "torch":
-        return compress_torch(x, pos, w1, b1, w2, block, stride, first)
-    if kernel == "triton":
+    new tokens complete), blocks = max(0, (seq - first * stride - block) // stride + 1).
+
+    kernel: model.kernel, by kernels/dispatch.py's rule (the compressor has no C kernel: "cpu" runs torch)."""
+    kernel = "torch" if kernel == "cpu" else kernel
+    if dispatch.choose(x, kernel, triton_problem(x.shape[3], w1.shape[2]), what="NSA's compressor") == "triton":
         return compress_forward(x, pos, w1, b1, w2, block, stride, first)
-    raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
+    return compress_torch(x, pos, w1, b1, w2, block, stride, first)
 
 
 def compress_torch(x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, block: int, stride: int,
@@ -77,6 +91,8 @@ def _first_layer(x: Tensor, w1: Tensor, nc: int, block: int, stride: int) -> Ten
 def compress_forward(x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, block: int, stride: int,
                      first: int) -> Tensor:
     """-> out [batch, blocks, heads, dim_head] (compressor_triton.forward)."""
+    from kernels.nsa_attention import compressor_triton as kernels
+
     return kernels.forward(x, pos, w1, b1, w2, block, stride, first)
 
 
@@ -90,6 +106,8 @@ def _(x, pos, w1, b1, w2, block, stride, first):
 def compress_backward(dout: Tensor, x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, block: int,
                       stride: int, first: int) -> list[Tensor]:
     """-> dx, dpos, dw1, db1, dw2 (compressor_triton.backward)."""
+    from kernels.nsa_attention import compressor_triton as kernels
+
     return list(kernels.backward(dout, x, pos, w1, b1, w2, block, stride, first))
 
 

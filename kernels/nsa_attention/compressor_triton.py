@@ -23,30 +23,22 @@ tiles cast to it, as autocast casts them for a matmul: fp32 weights under a bf16
 cores), with fp32 accumulation; the gradients leave in their tensors' dtypes.
 """
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kernels import counters
-from kernels.triton_tiles import power_of_two, pv, qk, refuse, tiles_usable
+from kernels.nsa_attention.compressor import num_blocks, triton_problem
+from kernels.triton_tiles import pv, qk, refuse, tiles_usable
 
 BC = 64  # blocks (or token strides) per program: a tensor-core tile's rows
-MAX_HIDDEN = 256  # the hidden layer is held whole: [BC, HP] fp32 per program
 WEIGHT_ROWS = 64  # rows of a block position's [dim_head, hidden] slice of dw1 per program: no more held
 
 
 def hidden_tile(hidden: int) -> int:
     """The hidden layer's width in the kernels: the next power of two, at least a tile's 16 (masked)."""
     return max(16, triton.next_power_of_2(hidden))
-
-
-def problem(dim_head: int, hidden: int) -> Optional[str]:
-    """What keeps the kernels from this shape (one line), or None."""
-    return power_of_two("dim_head", dim_head, 256, low=16) or (
-        f"hidden={hidden} must be at most {MAX_HIDDEN}" if hidden > MAX_HIDDEN else None)
 
 
 @triton.jit
@@ -228,13 +220,8 @@ def _compress_backward_inputs_weights(x, pos, w1, dpre, dw2_parts, dx, dpos, dw1
                          D, HP, BC, USE_DOT)
 
 
-def num_blocks(seq: int, block: int, stride: int, first: int) -> int:
-    """Complete blocks from block index `first` on."""
-    return max(0, (seq - first * stride - block) // stride + 1)
-
-
 def _check(x: Tensor, w1: Tensor) -> None:
-    refuse("compressor", x, problem(x.shape[3], w1.shape[2]))
+    refuse("compressor", x, triton_problem(x.shape[3], w1.shape[2]))
 
 
 def _record(name: str, grid: tuple, block: int) -> None:

@@ -93,11 +93,10 @@ def attend(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: Callabl
            ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
     """kernels.nsa_attention.nsa_attention on the fused kernels (shapes there): token-first tensors
     straight into the kernels, the compressor run here (autograd through it)."""
-    k_cmp, v_cmp, *local = keys
-    kc, vc = compressed if compressed is not None else compress(k_cmp.transpose(1, 2), v_cmp.transpose(1, 2))
+    kc, vc = compressed if compressed is not None else compress()
     seq_k = start + q.shape[1]
     knobs = Knobs(block, stride, rules.fine, rules.forced, rules.free(seq_k), rules.window)
-    out, blocks = run(q, kc, vc, *local, gates, rotary.phases(seq_k, q.device), start, knobs)
+    out, blocks = run(q, kc, vc, *keys, gates, rotary.phases(seq_k, q.device), start, knobs)
     if not record:
         return out, None
     chosen = blocks < -(-seq_k // rules.fine)  # unused slots hold the number of fine blocks

@@ -29,6 +29,7 @@ kernels or plain PyTorch (model.kernel) by the one rule of kernels/dispatch.py.
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator, Optional
 
 import torch
@@ -38,13 +39,14 @@ from torch import Tensor, nn
 from kernels import dispatch
 from kernels.nsa_attention import BRANCHES, compressed_blocks, cpu_built, nsa_attention, triton_problem
 from kernels.nsa_attention.blocks import BlockRules
+from kernels.nsa_attention.compressor import compress_blocks
 from models.attention import cache as kv_cache
 from models.attention.knobs import check_at_least_1, check_gqa
 from models.recompute import RecomputedLayers, recomputation_pays
 from models.rotary import Rotary
 
 BRANCH_NAMES = ("compressed", "selected", "window")  # the gates' order, as kernels.nsa_attention's
-RAW = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")  # cached per-token keys and values
+RAW = ("to_compress", "k_slc", "v_slc", "k_win", "v_win")  # cached per-token keys and values, [b, heads, n, d]
 
 
 @dataclass
@@ -109,65 +111,47 @@ def branch_closed(model: nn.Module, name: str) -> Iterator[None]:
 
 
 class BlockCompressor(nn.Module):
-    """Per-KV-head MLP from a block [l, dim_head] (+ intra-block position) to one [dim_head]."""
+    """The keys' and the values' compressors side by side, one MLP per head of 2 * kv_heads (keys
+    [0, kv_heads), values after), from a block [l, dim_head] (+ intra-block position) to one
+    [dim_head]; run by kernels/nsa_attention/compressor.py (model.kernel picks torch or Triton)."""
 
     def __init__(self, kv_heads: int, block: int, stride: int, dim_head: int, hidden: int):
         super().__init__()
-        self.block, self.stride = block, stride
-        self.pos = nn.Parameter(torch.zeros(kv_heads, block, dim_head))
-        self.w1 = nn.Parameter(torch.randn(kv_heads, block * dim_head, hidden) / math.sqrt(block * dim_head))
-        self.b1 = nn.Parameter(torch.zeros(kv_heads, 1, hidden))
-        self.w2 = nn.Parameter(torch.randn(kv_heads, hidden, dim_head) / math.sqrt(hidden))
+        heads = 2 * kv_heads
+        self.kv_heads, self.block, self.stride = kv_heads, block, stride
+        self.pos = nn.Parameter(torch.zeros(heads, block, dim_head))
+        self.w1 = nn.Parameter(torch.randn(heads, block * dim_head, hidden) / math.sqrt(block * dim_head))
+        self.b1 = nn.Parameter(torch.zeros(heads, 1, hidden))
+        self.w2 = nn.Parameter(torch.randn(heads, hidden, dim_head) / math.sqrt(hidden))
 
     def num_blocks(self, seq: int) -> int:
         return compressed_blocks(seq, self.block, self.stride)
 
-    def forward(self, x: Tensor, first: int = 0) -> Tensor:
-        """x [batch, kv_heads, seq, dim_head] -> [batch, kv_heads, blocks, dim_head] for the
-        complete blocks from block index `first` on."""
-        return self.compress(x, self.pos, self.w1, self.b1, self.w2, first)
-
-    def compress(self, x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, first: int = 0) -> Tensor:
-        """forward with the weights given (heads along their first dimension, as x's second), so that
-        two compressors' weights side by side run as one."""
-        x = x[:, :, first * self.stride :]
-        nc = self.num_blocks(x.shape[2])
-        if nc == 0:
-            return x.new_zeros(*x.shape[:2], 0, x.shape[3])
-        # the intra-block positions enter the first layer linearly: as a bias of their own
-        bias = b1 + torch.einsum("hx,hxy->hy", pos.flatten(1), w1)[:, None]  # [h, 1, hidden]
-        hidden = F.gelu(self._first_layer(x, w1, nc) + bias)
-        return torch.einsum("bhcy,hyd->bhcd", hidden, w2)
-
-    def _first_layer(self, x: Tensor, w1: Tensor, nc: int) -> Tensor:
-        """The first layer's product over each block's tokens, x [b, h, seq, d] -> [b, h, nc, hidden].
-        Where the block is r strides long, block c is strides c .. c + r - 1: one product of the
-        non-overlapping strides with the r slices of w1 gives every term, with no overlapping copy
-        of the keys (an unfold copies each token r times, and its backward adds the copies back)."""
-        l, s = self.block, self.stride
-        if l % s:
-            return torch.einsum("bhcx,hxy->bhcy", x.unfold(2, l, s).transpose(-1, -2).flatten(-2), w1)
-        r, h, d = l // s, w1.shape[0], x.shape[-1]
-        strides = x[:, :, : (nc + r - 1) * s].reshape(*x.shape[:2], nc + r - 1, s * d)  # [b, h, nc + r - 1, s * d]
-        w = w1.view(h, r, s * d, -1).transpose(1, 2).flatten(2)  # [h, s * d, r * hidden]
-        terms = torch.einsum("bhcx,hxy->bhcy", strides, w).unflatten(-1, (r, -1))  # [b, h, nc + r - 1, r, hidden]
-        return sum(terms[:, :, i : i + nc, i] for i in range(r))
+    def forward(self, x: Tensor, first: int = 0, kernel: str = "auto") -> tuple[Tensor, Tensor]:
+        """Keys and values x [batch, seq, 2 * kv_heads, dim_head] (any strides) -> compressed keys and
+        values [batch, kv_heads, blocks, dim_head] (views) for the complete blocks from block index
+        `first` on."""
+        out = compress_blocks(x, self.pos, self.w1, self.b1, self.w2, self.block, self.stride, first, kernel)
+        kc, vc = out.split(self.kv_heads, dim=2)
+        return kc.transpose(1, 2), vc.transpose(1, 2)
 
 
 class InputProjection(nn.Module):
     """x [b, n, dim] -> the query, key/value and gate-logit projections side by side, as one product
-    (their weights concatenated: the copy is weight-sized, not token-sized), without the gates' bias.
-    Its output is what a RecomputedLayers recipe recomputes, in the forward's dtype."""
+    (their weights concatenated: the copy is weight-sized, not token-sized), without the gates' bias;
+    split into [b, n, width] views, their gradients gathered by one concatenation. Its output is what
+    a RecomputedLayers recipe recomputes, in the forward's dtype."""
 
-    def __init__(self, *layers: nn.Linear):
+    def __init__(self, layers: tuple[nn.Linear, ...], widths: list[int]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.widths = widths
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, torch.cat([layer.weight for layer in self.layers]).to(x.dtype))
 
     def split(self, projected: Tensor) -> tuple[Tensor, ...]:
-        return projected.split([layer.out_features for layer in self.layers], dim=-1)
+        return projected.split(self.widths, dim=-1)
 
 
 class NativeSparseAttention(nn.Module):
@@ -211,12 +195,15 @@ class NativeSparseAttention(nn.Module):
         self.to_kv = nn.Linear(dim, (1 if shared_kv else BRANCHES) * 2 * kv_heads * dim_head, bias=False)
         self.to_gates = nn.Linear(dim, BRANCHES * heads)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
-        # the three input projections run as one product (one launch, one product for x's gradient);
-        # held outside the module tree, so the parameters keep their names
-        self._project = (InputProjection(self.to_q, self.to_kv, self.to_gates),)
+        # the three input projections run as one product (one launch, one product for x's gradient),
+        # split into the query, the compressor's keys and values, the selected and window branches' four,
+        # and the gate logits; held outside the module tree, so the parameters keep their names
+        kv_width = kv_heads * dim_head
+        kv_widths = [2 * kv_width] if shared_kv else [2 * kv_width] + [kv_width] * 4
+        self._project = (InputProjection((self.to_q, self.to_kv, self.to_gates),
+                                         [heads * dim_head, *kv_widths, BRANCHES * heads]),)
         hidden = max(1, int(dim_head * compress_hidden_mult))
-        self.compress_k = BlockCompressor(kv_heads, compress_block_size, compress_stride, dim_head, hidden)
-        self.compress_v = BlockCompressor(kv_heads, compress_block_size, compress_stride, dim_head, hidden)
+        self.compressor = BlockCompressor(kv_heads, compress_block_size, compress_stride, dim_head, hidden)
         self.rotary = Rotary(dim_head)
         self.selections: Optional[list[Selection]] = None  # set by recording_selection
 
@@ -229,11 +216,11 @@ class NativeSparseAttention(nn.Module):
         # recomputed from x instead (the CPU kernels: bench size at 8k, 616 -> 488 MB kept, dense 613);
         # not while a reversible stack recomputes this layer, whose backward follows at once
         with RecomputedLayers(enabled=cache is None and recomputation_pays(), armed=False) as projections:
-            q, keys, gates = self._project[0].split(projections.apply(self._project[0], x))
+            q, to_compress, *local, gates = self._project[0].split(projections.apply(self._project[0], x))
             q = q.unflatten(-1, (self.heads, self.dim_head))  # [b, n, heads, d]
-            # six [b, n, kv_heads, d] views of one projection: their gradients are stacked straight into its layout
-            keys = keys.unflatten(-1, (-1, self.kv_heads, self.dim_head)).unbind(2)
-            keys = keys * BRANCHES if self.shared_kv else keys
+            to_compress = to_compress.unflatten(-1, (2 * self.kv_heads, self.dim_head))  # [b, n, 2 * kv_heads, d]
+            # the selected and window branches' keys and values, [b, n, kv_heads, d] views
+            local = [t.unflatten(-1, (self.kv_heads, self.dim_head)) for t in local] or to_compress.chunk(2, 2) * 2
             gates = (gates + self.to_gates.bias.to(gates.dtype)).unflatten(-1, (BRANCHES, self.heads))  # [b, n, 3, heads]
             if self.gate_bias is not None:
                 gates = gates + torch.tensor(self.gate_bias, dtype=gates.dtype, device=x.device).view(-1, 1)
@@ -241,24 +228,16 @@ class NativeSparseAttention(nn.Module):
                 gates = gates.index_fill(2, torch.tensor(self.closed, device=x.device), float("-inf"))
             compressed = None
             if cache is not None:  # the cache keeps keys as projected ([b, h, n, d]), and the compressed blocks
-                *raw, kc, vc = self._extend_cache(cache, start, *(t.transpose(1, 2) for t in keys))
-                keys, compressed = tuple(t.transpose(1, 2) for t in raw), (kc, vc)
+                *local, kc, vc = self._extend_cache(cache, start, to_compress, *local)
+                compressed = (kc, vc)
             record = self.selections is not None and cache is None
             out, chosen = nsa_attention(
-                q, keys, gates, self._compress, self.compress_k.block, self.compress_k.stride, self.rules, self.rotary,
-                start, compressed, self.kernel, self.diff_topk, self.dropout if self.training else 0.0, record,
-                projections.armed)
+                q, tuple(local), gates, partial(self.compressor, to_compress, kernel=self.kernel), self.compressor.block,
+                self.compressor.stride, self.rules, self.rotary, start, compressed, self.kernel, self.diff_topk,
+                self.dropout if self.training else 0.0, record, projections.armed)
         if record and chosen is not None:
             self.selections.append(self._selection_record(*chosen))
         return self.to_out(out.flatten(2))
-
-    def _compress(self, k_cmp: Tensor, v_cmp: Tensor) -> tuple[Tensor, Tensor]:
-        """Both compressors in one pass, their weights side by side: keys and values [b, h, n, d] ->
-        kc, vc [b, h, blocks, d] (half the launches of two passes)."""
-        both = torch.stack((k_cmp, v_cmp), 1).flatten(1, 2)  # [b, 2 * h, n, d]
-        weights = (torch.cat(pair) for pair in zip(*((c.pos, c.w1, c.b1, c.w2) for c in (self.compress_k,
-                                                                                          self.compress_v))))
-        return self.compress_k.compress(both, *weights).chunk(2, dim=1)
 
     def _selection_record(self, indices: Tensor, valid: Tensor) -> Selection:
         """The forced and freely chosen blocks [b, h, m, free] of queries from position 0, as recorded."""
@@ -271,19 +250,23 @@ class NativeSparseAttention(nn.Module):
         """Roll back to the first `length` positions (compressed blocks completed after it go too)."""
         kv_cache.truncate(cache, length)
         if "compressed" in cache:
-            kv_cache.truncate(cache["compressed"], self.compress_k.num_blocks(length))
+            kv_cache.truncate(cache["compressed"], self.compressor.num_blocks(length))
 
-    def _extend_cache(self, cache: dict, start: int, *new: Tensor):
-        """Append the new raw keys and values of every branch (growing buffers, each position
-        copied once); compress the blocks they complete."""
-        raw = kv_cache.append(cache, start, **dict(zip(RAW, new)))
+    def _extend_cache(self, cache: dict, start: int, to_compress: Tensor, *local: Tensor) -> tuple[Tensor, ...]:
+        """Append the new raw keys and values of every branch (growing buffers, each position copied
+        once; token-first views in and out); compress the blocks they complete. -> the selected and
+        window branches' four [b, n, kv_heads, d], and the compressed keys and values [b, kv_heads, blocks, d]."""
+        raw = kv_cache.append(cache, start, **dict(zip(RAW, (t.transpose(1, 2) for t in (to_compress, *local)))))
         blocks = cache.setdefault("compressed", {})
         done = blocks.get("pos", 0)
-        todo = self.compress_k.num_blocks(cache["pos"]) - done
-        kc, vc = (compress(raw[i], first=done)[:, :, :todo] for i, compress in ((0, self.compress_k),
-                                                                                (1, self.compress_v)))
-        kc, vc = kv_cache.append(blocks, done, kc=kc, vc=vc)
-        return (*raw, kc, vc)
+        todo = self.compressor.num_blocks(cache["pos"]) - done
+        if todo > 0:
+            kc, vc = self.compressor(raw[0].transpose(1, 2), first=done, kernel=self.kernel)
+            kc, vc = kv_cache.append(blocks, done, kc=kc[:, :, :todo], vc=vc[:, :, :todo])
+        else:
+            kc, vc = (blocks[name][:, :, :done] if done else raw[0].new_zeros(raw[0].shape[0], self.kv_heads, 0,
+                                                                                raw[0].shape[3]) for name in ("kc", "vc"))
+        return (*(t.transpose(1, 2) for t in raw[1:]), kc, vc)
 
 
 def _check(heads, kv_heads, dim_head, window, block, stride, fine_block, num_selected, kernel, branches,

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from experiments.runtime.op_counts import count_ops
 from kernels.nsa_attention import compressor_triton
 from kernels.nsa_attention.compressor import compress_backward, compress_blocks, compress_forward
-from models.attention.nsa import BlockCompressor
 
 triton = pytest.mark.triton
 KERNELS = ["torch", pytest.param("triton", marks=triton)]
@@ -136,14 +135,10 @@ def test_bf16_inputs(kernel, weights):
 
 
 @pytest.mark.parametrize("case", [Case(2, 40, 2, 16, 8, 4, first=1), Case(1, 29, 2, 16, 6, 4, hidden=12)], ids=str)
-def test_torch_path_is_block_compressor_in_fp64(case):
-    """The torch path is models/attention/nsa.py's BlockCompressor.compress on the head-first layout,
-    to fp64 rounding, and the definition here too."""
+def test_torch_path_is_the_definition_in_fp64(case):
+    """The torch path (the readable one) is the definition, to fp64 rounding."""
     x, pos, w1, b1, w2 = inputs(case, torch.float64)
-    module = BlockCompressor(case.heads, case.block, case.stride, case.dim, case.hidden).double()
-    theirs = module.compress(x.transpose(1, 2), pos, w1, b1, w2, case.first).transpose(1, 2)
-    ours = compress_blocks(x, pos, w1, b1, w2, case.block, case.stride, case.first)
-    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-12)
+    ours = compress_blocks(x, pos, w1, b1, w2, case.block, case.stride, case.first, kernel="torch")
     torch.testing.assert_close(ours, naive(x, pos, w1, b1, w2, case.block, case.stride, case.first),
                                atol=1e-12, rtol=1e-12)
 
@@ -209,10 +204,10 @@ def test_custom_operators_pass_opcheck():
 @triton
 def test_triton_refuses_what_it_does_not_take():
     x, pos, w1, b1, w2 = inputs(Case(1, 16, 1, 24, 4, 4))
-    with pytest.raises(ValueError, match="dim_head=24 must be a power of two.*model.kernel=torch"):
+    with pytest.raises(ValueError, match="kernel=triton needs dim_head=24 to be a power of two.*model.kernel=auto or torch"):
         compress_blocks(x, pos, w1, b1, w2, 4, 4, kernel="triton")
     x, pos, w1, b1, w2 = inputs(Case(1, 16, 1, 16, 4, 4, hidden=300))
-    with pytest.raises(ValueError, match="hidden=300 must be at most 256"):
+    with pytest.raises(ValueError, match=r"hidden width \(300\) to be at most 256"):
         compress_blocks(x, pos, w1, b1, w2, 4, 4, kernel="triton")
 
 

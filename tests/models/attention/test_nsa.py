@@ -165,9 +165,9 @@ def test_cpu_kernel_training_keeps_neither_projection(precision):
     assert len(projections) == 1 and saved
     storages = {t.untyped_storage().data_ptr() for t in projections}
     assert not storages & {t.untyped_storage().data_ptr() for t in saved}
-    q, kv, _ = attn._project[0].split(projections[0])
+    q, *kv, _ = attn._project[0].split(projections[0])
     views = [rearrange(q, "b n (h g d) -> b h g n d", h=attn.kv_heads, g=attn.group)]  # as the kernels take them
-    views += [t.transpose(1, 2) for t in kv.unflatten(-1, (6, attn.kv_heads, -1)).unbind(2)]
+    views += [t.transpose(1, 2) for t in torch.cat(kv, -1).unflatten(-1, (6, attn.kv_heads, -1)).unbind(2)]
     copies = [t for t in saved for v in views for view in (v, v.flatten(0, 1))
               if t.shape == view.shape and torch.equal(t.to(view.dtype), view)]
     assert not copies, [tuple(t.shape) for t in copies]
@@ -289,10 +289,10 @@ def test_a_branch_left_out_adds_nothing_and_learns_nothing(kernel):
     out = model(tokens)
     out.square().mean().backward()
     for layer in model.blocks:
-        compressor = layer.attn.compress_v
-        assert all(p.grad is None or not p.grad.any() for p in compressor.parameters())
+        compressor, values = layer.attn.compressor, slice(layer.attn.kv_heads, None)  # the value compressor's heads
+        assert all(p.grad is None or not p.grad[values].any() for p in compressor.parameters())
         with torch.no_grad():
-            compressor.w2.normal_()
+            compressor.w2[values].normal_()
     with torch.no_grad():
         assert torch.allclose(model(tokens), out, atol=1e-6)
         whole = tiny_nsa(kernel=kernel, num_fine_selected=4).train()
@@ -415,7 +415,7 @@ def _selected_branch(attn, diff_topk):
     n, d = 40, 8
     q = torch.randn(1, 1, 2, n, d, generator=gen)
     k, v = torch.randn(1, 1, n, d, generator=gen), torch.randn(1, 1, n, d, generator=gen)
-    kc = torch.randn(1, 1, attn.compress_k.num_blocks(n), d, generator=gen, requires_grad=True)
+    kc = torch.randn(1, 1, attn.compressor.num_blocks(n), d, generator=gen, requires_grad=True)
     _, scores, indices = compressed_attention(q.flatten(0, 1), kc.flatten(0, 1), kc.detach().flatten(0, 1), 0, 4, 2, 4,
                                               lambda imp, first: attn.rules.choose(imp, first, 2), importance_grad=diff_topk)
     return branches.selected(q, k, v, scores[None], indices[None], 0, attn.rules, runs(q, attn.kernel)), kc
@@ -442,7 +442,7 @@ def test_diff_topk_model_trains_the_compressor_through_selection():
         x = torch.randint(0, 64, (2, 33))
         logits = model(x)
         F.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
-        grads.append((logits.detach(), model.blocks[0].attn.compress_k.w1.grad.clone()))
+        grads.append((logits.detach(), model.blocks[0].attn.compressor.w1.grad[:1].clone()))
     torch.testing.assert_close(grads[0][0], grads[1][0])  # the same up to rounding: another summation order
     assert not torch.allclose(grads[0][1], grads[1][1])
 
@@ -454,7 +454,7 @@ def test_selection_equals_the_dense_formulation(n):
     attn = NativeSparseAttention(dim=16, heads=4, dim_head=8, kv_heads=2, sliding_window_size=4, compress_block_size=6,
                                  compress_stride=4, fine_block_size=8, num_fine_selected=6)
     gen = torch.Generator().manual_seed(n)
-    blocks, num_fine = attn.compress_k.num_blocks(n), -(-n // 8)
+    blocks, num_fine = attn.compressor.num_blocks(n), -(-n // 8)
     q = 4 * torch.randn(4, 2, n, 8, dtype=torch.float64, generator=gen)
     kc = 4 * torch.randn(4, blocks, 8, dtype=torch.float64, generator=gen)
     _, scores, indices = compressed_attention(q, kc, kc, 0, 6, 4, 8, attn.rules.chooser(n))
@@ -472,16 +472,17 @@ def test_compressor_is_an_mlp_over_each_blocks_tokens_and_positions(block, strid
     """Block c (from block `first` on) is the MLP of its tokens, each plus its intra-block position,
     concatenated; values and gradients, whether or not the block is a whole number of strides."""
     torch.manual_seed(n)
-    comp = BlockCompressor(2, block, stride, 8, 12).double()
+    comp = BlockCompressor(1, block, stride, 8, 12).double()  # one key head, one value head
     comp.pos.data.normal_()
     comp.b1.data.normal_()
-    x = torch.randn(3, n, 2, 8, dtype=torch.double).transpose(1, 2).requires_grad_()  # a strided view, as NSA's
+    x_in = torch.randn(3, n, 4, 8, dtype=torch.double, requires_grad=True)
+    x = x_in[:, :, 1:3].transpose(1, 2)  # [b, heads, n, d], a strided view of a wider projection, as NSA's
     nc = comp.num_blocks(n - first * stride)
     expected = torch.stack([
         F.gelu(torch.einsum("bhx,hxy->bhy", (x[:, :, (first + c) * stride:][:, :, :block] + comp.pos).flatten(-2),
                             comp.w1) + comp.b1[:, 0]) for c in range(nc)], dim=2) if nc else x.new_zeros(3, 2, 0, 12)
     expected = torch.einsum("bhcy,hyd->bhcd", expected, comp.w2)
-    out = comp(x, first)
+    out = torch.cat(comp(x.transpose(1, 2), first, kernel="torch"), dim=1)  # keys' and values' heads
     torch.testing.assert_close(out, expected)
     if nc:
         grad = torch.randn_like(out)
