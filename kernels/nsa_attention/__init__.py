@@ -27,8 +27,8 @@ from kernels import dispatch
 from kernels import span_attention as spans
 from kernels.nsa_attention.blocks import BlockRules, compressed_blocks
 
-# compress() -> kc, vc [b, kv_heads, blocks, d]: the learned compressor over the compressed branch's
-# keys and values (a closure: a path may call it again in its backward, to recompute)
+# compress() -> [b, blocks, 2 * kv_heads, d]: the learned compressor over the compressed branch's keys and
+# values, the keys' heads first (a closure: a path may call it again in its backward, to recompute)
 Compress = Callable[[], tuple[Tensor, Tensor]]
 BRANCHES = 3  # compressed, selected, window: the gates' order
 
@@ -55,7 +55,7 @@ def cpu_built() -> bool:
 
 
 def nsa_attention(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: Compress, block: int, stride: int,
-                  rules: BlockRules, rotary: Rotary, start: int = 0, compressed: Optional[tuple[Tensor, Tensor]] = None,
+                  rules: BlockRules, rotary: Rotary, start: int = 0, compressed: Optional[Tensor] = None,
                   kernel: str = "auto", diff_topk: bool = False, dropout: float = 0.0, record: bool = False,
                   recompute_inputs: Callable[[], ContextManager] = nullcontext
                   ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
@@ -69,7 +69,7 @@ def nsa_attention(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: 
     block, stride   compressed blocks of `block` tokens every `stride`
     rules      fine blocks, how many are selected, the window
     rotary     the rotary embedding (a Rotary: rotates tensors, and gives the kernels its phases)
-    compressed (kc, vc) [batch, kv_heads, blocks, dim_head] already compressed (a decoding cache), or None
+    compressed [batch, blocks, 2 * kv_heads, dim_head] already compressed (a decoding cache), or None
     kernel     model.kernel: auto | torch | cpu | triton
     diff_topk  the selection passes gradient (straight-through factors on the chosen blocks)
     dropout    attention dropout of the window branch (training)

@@ -24,6 +24,13 @@ def visible_compressed(positions: Tensor, block: int, stride: int, num_blocks: O
     return seen.clamp(0, num_blocks)
 
 
+def split_compressed(kvc: Tensor) -> tuple[Tensor, Tensor]:
+    """The compressor's output [b, blocks, 2 * kv_heads, d] (keys' heads, then values') -> compressed
+    keys and values [b, kv_heads, blocks, d], views."""
+    kc, vc = kvc.chunk(2, dim=2)
+    return kc.transpose(1, 2), vc.transpose(1, 2)
+
+
 @dataclass(frozen=True)
 class BlockRules:
     fine: int  # fine_block_size

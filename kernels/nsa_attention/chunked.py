@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kernels.nsa_attention import reference
-from kernels.nsa_attention.blocks import BlockRules
+from kernels.nsa_attention.blocks import BlockRules, split_compressed
 from kernels.nsa_attention.compressed import block_selection, causal_block_attention, compressed_attention
 from kernels.recompute import recomputed
 
@@ -58,7 +58,7 @@ class Branches:
         """A training step from position 0: selection once without gradient, each branch checkpointed."""
         k_slc, v_slc, k_win, v_win = keys
         with torch.no_grad():
-            kc, _ = compress()
+            kc, _ = split_compressed(compress())
             scores, indices = block_selection(q.flatten(0, 1), kc.flatten(0, 1), 0, self.block, self.stride,
                                               self.rules.fine, self.rules.chooser(k_slc.shape[2]))
         out = checkpoint(self._compressed, q, gates[0], compress, use_reentrant=False,
@@ -78,7 +78,7 @@ class Branches:
         if rotary is None:
             k_slc, k_win = self.rotary(torch.stack((k_slc, k_win)), 0)
         q_rot = self.rotary(q.flatten(1, 2), start).view_as(q)
-        kc, vc = compressed if compressed is not None else compress()
+        kc, vc = split_compressed(compressed if compressed is not None else compress())
         out_cmp, scores, indices = compressed_attention(
             q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.block, self.stride, self.rules.fine,
             self.rules.chooser(k_slc.shape[2]), importance_grad=importance_grad)
@@ -90,7 +90,7 @@ class Branches:
         return out, (indices, scores > float("-inf"))
 
     def _compressed(self, q: Tensor, gate: Tensor, compress) -> Tensor:
-        kc, vc = compress()
+        kc, vc = split_compressed(compress())
         out = causal_block_attention(q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.block, self.stride)
         return torch.sigmoid(gate) * out.view_as(q)
 

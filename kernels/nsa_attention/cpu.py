@@ -8,7 +8,7 @@ from einops import rearrange
 from torch import Tensor
 
 from kernels import span_attention as spans
-from kernels.nsa_attention.blocks import BlockRules
+from kernels.nsa_attention.blocks import BlockRules, split_compressed
 from kernels.nsa_attention.compressed import cpu_compressed_selection
 from kernels.recompute import recomputed
 
@@ -20,7 +20,7 @@ def train(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress, block: i
     kv_heads = keys[0].shape[2]
     q = rearrange(q, "b n (h g) d -> b h g n d", h=kv_heads)
     k_slc, v_slc, k_win, v_win = (t.transpose(1, 2) for t in keys)  # [b, h, n, d] views
-    kc, vc = recomputed(compress)
+    kc, vc = split_compressed(recomputed(compress))
     out_cmp, scores, indices = cpu_compressed_selection(q, kc.flatten(0, 1), vc.flatten(0, 1), block, stride,
                                                         rules.fine, rules.forced, rules.free(m))
     gates = rearrange(torch.sigmoid(gates), "b n s (h g) -> s (b h) g n", h=kv_heads)  # [3, b * h, g, n]

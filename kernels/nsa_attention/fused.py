@@ -11,24 +11,24 @@ import torch
 from torch import Tensor
 
 from kernels.nsa_attention import triton as kernels
-from kernels.nsa_attention.blocks import BlockRules
+from kernels.nsa_attention.blocks import BlockRules, split_compressed
 from kernels.nsa_attention.triton import Knobs
 
 
 @torch.library.custom_op("sparse_attention::nsa_forward", mutates_args=())
-def nsa_forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
+def nsa_forward(q: Tensor, kvc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
                 gates: Tensor, phases: Tensor, start: int, block: int, stride: int, fine: int, forced: int, free: int,
                 window: int, save: bool, fsa: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> out, blocks, saved, lse, order, ranked (kernels/nsa_attention/triton.py forward)."""
+    """-> out, blocks, saved, lse, order, ranked (kernels/nsa_attention/triton.py forward); kvc
+    [b, blocks, 2 * kv_heads, d], the compressed keys' heads then the values'."""
     knobs = kernels.Knobs(block, stride, fine, forced, free, window)
-    return kernels.forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs, save, fsa)
+    return kernels.forward(q, *split_compressed(kvc), k_slc, v_slc, k_win, v_win, gates, phases, start, knobs, save, fsa)
 
 
 @nsa_forward.register_fake
-def _(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, block, stride, fine, forced, free, window, save,
-      fsa):
+def _(q, kvc, k_slc, v_slc, k_win, v_win, gates, phases, start, block, stride, fine, forced, free, window, save, fsa):
     b, n, heads, dim = q.shape
-    kv_heads = kc.shape[1]
+    kv_heads = kvc.shape[2] // 2
     indexed = n and free and (save or fsa)  # the chosen blocks' reverse index
     return (q.new_empty(b, n, heads, dim), q.new_empty(b, kv_heads, n, free, dtype=torch.int32),
             q.new_empty(3 if save else 1, b, n, heads, dim),
@@ -38,26 +38,29 @@ def _(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, block, stride
 
 
 @torch.library.custom_op("sparse_attention::nsa_backward", mutates_args=())
-def nsa_backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+def nsa_backward(dout: Tensor, q: Tensor, kvc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
                  v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor,
                  order: Tensor, ranked: Tensor, block: int, stride: int, fine: int, forced: int, free: int, window: int,
                  fsa: bool) -> list[Tensor]:
-    """-> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates (kernels/nsa_attention/triton.py backward)."""
+    """-> dq, dkvc, dk_slc, dv_slc, dk_win, dv_win, dgates (kernels/nsa_attention/triton.py backward):
+    the compressed keys' and values' gradients in one tensor, as kvc, so they need no concatenation."""
     knobs = kernels.Knobs(block, stride, fine, forced, free, window)
-    return list(kernels.backward(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks,
-                                 order, ranked, knobs, fsa))
+    dkvc = torch.empty_like(kvc)
+    dq, _, _, *rest = kernels.backward(dout, q, *split_compressed(kvc), k_slc, v_slc, k_win, v_win, gates, phases, saved,
+                                       lse, blocks, order, ranked, knobs, fsa, dkvc)
+    return [dq, dkvc, *rest]
 
 
 @nsa_backward.register_fake
-def _(dout, q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, ranked, block, stride,
+def _(dout, q, kvc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, ranked, block, stride,
       fine, forced, free, window, fsa):
-    return [torch.empty_like(t) for t in (q, kc, vc, k_slc, v_slc, k_win, v_win, gates)]
+    return [torch.empty_like(t) for t in (q, kvc, k_slc, v_slc, k_win, v_win, gates)]
 
 
 def _setup_context(ctx, inputs, output):
-    q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, *knobs, save, fsa = inputs
+    q, kvc, k_slc, v_slc, k_win, v_win, gates, phases, start, *knobs, save, fsa = inputs
     _, blocks, saved, lse, order, ranked = output
-    ctx.save_for_backward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, ranked)
+    ctx.save_for_backward(q, kvc, k_slc, v_slc, k_win, v_win, gates, phases, saved, lse, blocks, order, ranked)
     ctx.knobs, ctx.fsa, ctx.backward_possible = knobs, fsa, save and not start
     ctx.mark_non_differentiable(blocks, saved, lse, order, ranked)
     ctx.set_materialize_grads(False)  # else autograd fills a zero gradient for each of those five
@@ -65,25 +68,26 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, *_):
     if dout is None:  # the output passed no gradient
-        return (None,) * 18
+        return (None,) * 17
     if not ctx.backward_possible:
         raise RuntimeError("the NSA kernels' backward needs a forward from position 0 with gradients enabled "
                            "(a training step), not decoding after a cache")
     grads = nsa_backward(dout, *ctx.saved_tensors, *ctx.knobs, ctx.fsa)
-    return (*grads[:8], *[None] * 10)
+    return (*grads[:7], *[None] * 10)
 
 
 nsa_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def run(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, gates: Tensor,
+def run(q: Tensor, kvc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor, gates: Tensor,
         phases: Tensor, start: int, knobs: Knobs) -> tuple[Tensor, Tensor]:
     """The three gated branches on the Triton kernels -> out [b, n, heads, d] (passing gradient to every
-    tensor but phases) and the chosen fine blocks [b, kv_heads, n, free] (int32, num_fine where unused)."""
+    tensor but phases) and the chosen fine blocks [b, kv_heads, n, free] (int32, num_fine where unused);
+    kvc [b, blocks, 2 * kv_heads, d] the compressed keys and values."""
     save = start == 0 and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, kc, vc, k_slc, v_slc, k_win, v_win, gates))
-    fsa = kernels.flash_sparse_order(q.shape[2] // kc.shape[1], knobs.free)
-    out, blocks, *_ = nsa_forward(q, kc, vc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs.block,
+        t.requires_grad for t in (q, kvc, k_slc, v_slc, k_win, v_win, gates))
+    fsa = kernels.flash_sparse_order(2 * q.shape[2] // kvc.shape[2], knobs.free)
+    out, blocks, *_ = nsa_forward(q, kvc, k_slc, v_slc, k_win, v_win, gates, phases, start, knobs.block,
                                   knobs.stride, knobs.fine, knobs.forced, knobs.free, knobs.window, save, fsa)
     return out, blocks
 
@@ -93,10 +97,10 @@ def attend(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: Callabl
            ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
     """kernels.nsa_attention.nsa_attention on the fused kernels (shapes there): token-first tensors
     straight into the kernels, the compressor run here (autograd through it)."""
-    kc, vc = compressed if compressed is not None else compress()
+    kvc = compressed if compressed is not None else compress()
     seq_k = start + q.shape[1]
     knobs = Knobs(block, stride, rules.fine, rules.forced, rules.free(seq_k), rules.window)
-    out, blocks = run(q, kc, vc, *keys, gates, rotary.phases(seq_k, q.device), start, knobs)
+    out, blocks = run(q, kvc, *keys, gates, rotary.phases(seq_k, q.device), start, knobs)
     if not record:
         return out, None
     chosen = blocks < -(-seq_k // rules.fine)  # unused slots hold the number of fine blocks

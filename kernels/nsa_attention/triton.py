@@ -15,14 +15,14 @@ chunked partials.
 """
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import triton
 from torch import Tensor
 
 from kernels import counters
-from kernels.nsa_attention.blocks import visible_compressed
+from kernels.nsa_attention.blocks import split_compressed, visible_compressed
 from kernels.nsa_attention.triton_kernels import (COMPRESSED, FORCED, WINDOW, backward_dkv_kernel, backward_dq_kernel,
                                                   forward_kernel, pairs_kernel)
 from kernels.triton_tiles import tiles_usable
@@ -180,8 +180,9 @@ def _pairs(which: int, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tens
 
 def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
              v_win: Tensor, gates: Tensor, phases: Tensor, saved: Tensor, lse: Tensor, blocks: Tensor, order: Tensor,
-             ranked: Tensor, knobs: Knobs, fsa: bool) -> tuple[Tensor, ...]:
-    """Gradients of forward's out (from position 0) -> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates."""
+             ranked: Tensor, knobs: Knobs, fsa: bool, dkvc: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+    """Gradients of forward's out (from position 0) -> dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates;
+    dkc and dvc written into dkvc [b, blocks, 2 * kv_heads, d] where given (as kc and vc are its views)."""
     b, n, heads, dim = q.shape
     kv_heads, num_blocks = kc.shape[1], kc.shape[2]
     group, num_keys = heads // kv_heads, k_slc.shape[1]
@@ -192,7 +193,7 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
     dq_acc = torch.empty(dout.shape, device=q.device, dtype=torch.float32) if fsa else dq
     dgates = torch.empty_like(gates)
     delta = torch.empty_like(lse)
-    dkc, dvc = torch.empty_like(kc), torch.empty_like(vc)
+    dkc, dvc = split_compressed(dkvc) if dkvc is not None else (torch.empty_like(kc), torch.empty_like(vc))
     dk_slc, dv_slc, dk_win, dv_win = (torch.empty(t.shape, device=t.device, dtype=t.dtype)
                                       for t in (k_slc, v_slc, k_win, v_win))
     selection = _selection_meta(q, kv_heads, knobs)
@@ -241,11 +242,14 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
                      lambda: group * needed_pairs(mask, 0, n, keys, knobs, blocks))
         if chunked:
             sums = partial.sum(1).view(2, b, kv_heads, keys, dim)
-            dk.copy_(sums[0]), dv.copy_(sums[1])
+            if dkvc is not None:  # dk and dv side by side in one tensor: one copy
+                dkvc.unflatten(2, (2, kv_heads)).permute(2, 0, 3, 1, 4).copy_(sums)
+            else:
+                dk.copy_(sums[0]), dv.copy_(sums[1])
         elif mask == FORCED and chunks:  # block 0 as the initial block: added to its other readers' sums
             sums = partial.sum(1).view(2, b, kv_heads, rows, dim).transpose(2, 3)
-            dk[:, :rows] += sums[0].to(dk.dtype)
-            dv[:, :rows] += sums[1].to(dv.dtype)
+            dk[:, :rows].add_(sums[0])  # add_ on the view: `+=` on a slice would copy it back as well
+            dv[:, :rows].add_(sums[1])
     return dq, dkc, dvc, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 

@@ -506,11 +506,12 @@ def _gradient_rows(GATE, DOUT, SAVED, LSE, DELTA, DGATE, at, gate_at, lse_at, ok
 
 @triton.jit
 def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh,
-                    skt, kbase, sgb, sgt, sgh, start, seq_q, num_keys, G: tl.constexpr, D: tl.constexpr,
+                    skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G: tl.constexpr, D: tl.constexpr,
                     BM: tl.constexpr, GP: tl.constexpr, KB: tl.constexpr, FINE: tl.constexpr, FREE: tl.constexpr,
                     SCALE: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr):
     """Each position of the tile adds its freely chosen blocks to the dq the tile left in DQ
-    (rotated frame, unscaled), then writes its dq."""
+    (rotated frame, unscaled), then writes its dq. Q has its strides (sqb, sqt, sqh); DOUT and DQ
+    share theirs (sob, sot, soh)."""
     P: tl.constexpr = BM // G
     d = tl.arange(0, D)
     g = tl.arange(0, GP)
@@ -520,10 +521,11 @@ def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b,
         i = pid_m * P + p
         if i < seq_q:
             t = start + i
-            at = b * sqb + i * sqt + (h * G + g)[:, None] * sqh + d[None, :]
+            at = b * sob + i * sot + (h * G + g)[:, None] * soh + d[None, :]
             ok = g_ok[:, None]
             pos = t + g * 0
-            q = _rotate(tl.load(Q + at, mask=ok, other=0.0).to(tl.float32), PH, pos, g_ok, GP, D, False)
+            q_at = b * sqb + i * sqt + (h * G + g)[:, None] * sqh + d[None, :]
+            q = _rotate(tl.load(Q + q_at, mask=ok, other=0.0).to(tl.float32), PH, pos, g_ok, GP, D, False)
             q = q.to(K.dtype.element_ty)
             sigma = _sigmoid(GATE, b * sgb + i * sgt + (h * G + g) * sgh, g_ok)
             do = (tl.load(DOUT + at, mask=ok, other=0.0).to(tl.float32) * sigma[:, None]).to(K.dtype.element_ty)
@@ -590,7 +592,7 @@ def backward_dq_kernel(Q, K, V, GATE, DOUT, SAVED, LSE, DELTA, DGATE, DQ, DQ_ACC
         tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
         tl.debug_barrier()
         _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh,
-                        skt, kbase, sgb, sgt, sgh, start, seq_q, num_keys, G, D, BM, GP, KB, FINE, FREE, SCALE, USE_DOT,
+                        skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G, D, BM, GP, KB, FINE, FREE, SCALE, USE_DOT,
                         COUNT)
     else:
         if MASK == 2 and FSA:  # the selected branch's dq, complete in DQ_ACC

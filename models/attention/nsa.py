@@ -127,13 +127,10 @@ class BlockCompressor(nn.Module):
     def num_blocks(self, seq: int) -> int:
         return compressed_blocks(seq, self.block, self.stride)
 
-    def forward(self, x: Tensor, first: int = 0, kernel: str = "auto") -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, first: int = 0, kernel: str = "auto") -> Tensor:
         """Keys and values x [batch, seq, 2 * kv_heads, dim_head] (any strides) -> compressed keys and
-        values [batch, kv_heads, blocks, dim_head] (views) for the complete blocks from block index
-        `first` on."""
-        out = compress_blocks(x, self.pos, self.w1, self.b1, self.w2, self.block, self.stride, first, kernel)
-        kc, vc = out.split(self.kv_heads, dim=2)
-        return kc.transpose(1, 2), vc.transpose(1, 2)
+        values [batch, blocks, 2 * kv_heads, dim_head] for the complete blocks from block index `first` on."""
+        return compress_blocks(x, self.pos, self.w1, self.b1, self.w2, self.block, self.stride, first, kernel)
 
 
 class InputProjection(nn.Module):
@@ -228,8 +225,7 @@ class NativeSparseAttention(nn.Module):
                 gates = gates.index_fill(2, torch.tensor(self.closed, device=x.device), float("-inf"))
             compressed = None
             if cache is not None:  # the cache keeps keys as projected ([b, h, n, d]), and the compressed blocks
-                *local, kc, vc = self._extend_cache(cache, start, to_compress, *local)
-                compressed = (kc, vc)
+                *local, compressed = self._extend_cache(cache, start, to_compress, *local)
             record = self.selections is not None and cache is None
             out, chosen = nsa_attention(
                 q, tuple(local), gates, partial(self.compressor, to_compress, kernel=self.kernel), self.compressor.block,
@@ -255,18 +251,13 @@ class NativeSparseAttention(nn.Module):
     def _extend_cache(self, cache: dict, start: int, to_compress: Tensor, *local: Tensor) -> tuple[Tensor, ...]:
         """Append the new raw keys and values of every branch (growing buffers, each position copied
         once; token-first views in and out); compress the blocks they complete. -> the selected and
-        window branches' four [b, n, kv_heads, d], and the compressed keys and values [b, kv_heads, blocks, d]."""
+        window branches' four [b, n, kv_heads, d], and the compressed keys and values [b, blocks, 2 * kv_heads, d]."""
         raw = kv_cache.append(cache, start, **dict(zip(RAW, (t.transpose(1, 2) for t in (to_compress, *local)))))
         blocks = cache.setdefault("compressed", {})
         done = blocks.get("pos", 0)
-        todo = self.compressor.num_blocks(cache["pos"]) - done
-        if todo > 0:
-            kc, vc = self.compressor(raw[0].transpose(1, 2), first=done, kernel=self.kernel)
-            kc, vc = kv_cache.append(blocks, done, kc=kc[:, :, :todo], vc=vc[:, :, :todo])
-        else:
-            kc, vc = (blocks[name][:, :, :done] if done else raw[0].new_zeros(raw[0].shape[0], self.kv_heads, 0,
-                                                                                raw[0].shape[3]) for name in ("kc", "vc"))
-        return (*(t.transpose(1, 2) for t in raw[1:]), kc, vc)
+        new = self.compressor(raw[0].transpose(1, 2), first=done, kernel=self.kernel)  # [b, new blocks, 2 * kv_heads, d]
+        (compressed,) = kv_cache.append(blocks, done, kvc=new.transpose(1, 2))
+        return (*(t.transpose(1, 2) for t in raw[1:]), compressed.transpose(1, 2))
 
 
 def _check(heads, kv_heads, dim_head, window, block, stride, fine_block, num_selected, kernel, branches,

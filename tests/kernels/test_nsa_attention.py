@@ -117,7 +117,34 @@ def test_deterministic_runs_take_the_order_without_atomic_adds():
 def test_the_custom_operator_passes_torch_library_checks():
     """Schema, fake tensors, autograd registration: what torch.compile relies on."""
     tensors, phases, knobs = inputs(12, 2, 1, 16, 4, 2, 4, 4, 4, torch.float32, seed=5)
-    args = [t.to(DEVICE).requires_grad_() for t in tensors]
+    q, kc, vc, *local = tensors
+    kvc = torch.cat((kc, vc), dim=1).transpose(1, 2)  # [b, blocks, 2 * kv_heads, d]: the keys' heads, the values'
+    args = [t.to(DEVICE).requires_grad_() for t in (q, kvc, *local)]
     torch.library.opcheck(nsa_forward, (*args, phases.to(DEVICE), 0, knobs.block, knobs.stride, knobs.fine,
                                         knobs.forced, knobs.free, knobs.window, True, True),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("fsa", [False, True], ids=["paper-order", "flash-sparse-order"])
+def test_inputs_read_where_they_lie_give_what_contiguous_ones_give(fsa):
+    """The layer hands the kernels views of one projection (q, the keys and values, wider token
+    strides) and the compressed keys and values as views of one tensor; each kernel reads and writes
+    by each tensor's own strides: the same output and gradients, to the bit, as contiguous copies."""
+    tensors, phases, knobs = inputs(33, 4, 2, 16, 8, 4, 8, 5, 8, torch.float32, seed=6)
+    q, kc, vc, *local, gates = (t.to(DEVICE) for t in tensors)
+    wide = torch.cat((q.flatten(2), *(t.flatten(2) for t in local), torch.zeros_like(q.flatten(2))), -1)  # [b, n, width]
+    q_view = wide[..., : q[0, 0].numel()].unflatten(-1, q.shape[2:])  # the wider token stride
+    width, kv_width = q[0, 0].numel(), local[0][0, 0].numel()
+    local_views = [wide[..., width + i * kv_width: width + (i + 1) * kv_width].unflatten(-1, t.shape[2:])
+                   for i, t in enumerate(local)]
+    kvc = torch.cat((kc, vc), dim=1).transpose(1, 2)  # [b, blocks, 2 * kv_heads, d]: kc and vc its views
+    kc_view, vc_view = (t.transpose(1, 2) for t in kvc.chunk(2, dim=2))
+    assert q_view.stride(1) != q.stride(1) and all(torch.equal(a, b) for a, b in zip(local_views, local))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    results = []
+    for args in ((q, kc, vc, *local, gates), (q_view, kc_view, vc_view, *local_views, gates)):
+        out, blocks, saved, lse, order, ranked = kernels.forward(*args, phases.to(DEVICE), 0, knobs, save=True, fsa=fsa)
+        grads = kernels.backward(grad, *args, phases.to(DEVICE), saved, lse, blocks, order, ranked, knobs, fsa)
+        results.append((out, *grads))
+    for name, a, b in zip(("out", *GRADIENTS), *results):
+        assert torch.equal(a, b), f"{name} differs"
