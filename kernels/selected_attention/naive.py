@@ -26,17 +26,3 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
     probs = scores.softmax(-1) if weights is None else scores.softmax(-1) * scale[:, :, None]
     return torch.einsum("bmgk,bkd->bmgd", probs, v), scores.logsumexp(-1)
 
-
-def random_selection(bh: int, m: int, start: int, block: int, selected: int,
-                     generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Inputs for checking a kernel: each query's own block first (always valid), then random earlier
-    blocks, repeats marked invalid. -> indices, valid [bh, m, selected]"""
-    current = (start + torch.arange(m)) // block
-    picks = [current[None].expand(bh, m)]
-    for _ in range(selected - 1):
-        picks.append((torch.rand(bh, m, generator=generator) * (current + 1)).long())
-    indices = torch.stack(picks, -1)
-    valid = torch.ones_like(indices, dtype=torch.bool)
-    for s in range(1, selected):
-        valid[..., s] = (indices[..., s : s + 1] != indices[..., :s]).all(-1)
-    return indices, valid

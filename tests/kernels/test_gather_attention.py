@@ -6,7 +6,7 @@ import torch
 
 from kernels.gather_attention import gather_attention, gathered_probabilities
 from kernels.gather_attention.naive import gather_attention as naive
-from kernels.gather_attention.naive import random_indices
+from tests.helpers.chosen_keys import random_indices
 
 CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, top_k)
     (1, 16, 16, 1, 8, 4),

@@ -7,8 +7,8 @@ import torch
 
 from kernels import counters
 from kernels.gather_attention import gather_attention
-from kernels.gather_attention.naive import random_indices
 from kernels.gather_attention.triton import BLOCK_T, key_runs
+from tests.helpers.chosen_keys import random_indices
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kernels.selected_attention import selected_attention
-from kernels.selected_attention.naive import random_selection
 from kernels.selected_attention.naive import selected_attention as naive
+from tests.helpers.chosen_keys import random_selection
 
 
 CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, block, selected)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.selected_attention import selected_attention
-from kernels.selected_attention.naive import random_selection
+from tests.helpers.chosen_keys import random_selection
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
