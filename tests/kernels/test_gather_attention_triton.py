@@ -7,7 +7,7 @@ import torch
 
 from kernels import counters
 from kernels.gather_attention import gather_attention
-from kernels.gather_attention.triton import BLOCK_T, key_runs
+from kernels.gather_attention.triton import KEY_TILE, key_runs
 from tests.helpers.chosen_keys import random_indices
 
 pytestmark = pytest.mark.triton
@@ -52,14 +52,14 @@ def test_reverse_index_lists_each_query_once_per_key_tile_with_the_keys_it_chose
     indices = random_indices(bh, m, n - m, top_k, gen)
     indices[0, 3, 1] = n - m + 10  # a key after its query: never listed
     first, run_row, run_bits = key_runs(indices, n - m, n)
-    tiles = -(-n // BLOCK_T)
+    tiles = -(-n // KEY_TILE)
     expected = {}
     for b in range(bh):
         for row in range(m):
             for key in indices[b, row].tolist():
                 if 0 <= key <= n - m + row:
-                    slot = (b * tiles + key // BLOCK_T, row)
-                    expected[slot] = expected.get(slot, 0) | 1 << key % BLOCK_T
+                    slot = (b * tiles + key // KEY_TILE, row)
+                    expected[slot] = expected.get(slot, 0) | 1 << key % KEY_TILE
     found = {}
     for tile in range(bh * tiles):
         for r in range(first[tile], first[tile + 1]):
