@@ -9,8 +9,9 @@ from kernels import at_least_fp32
 
 def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: int) -> tuple[Tensor, Tensor]:
     """Shapes and meaning as kernels.gather_attention.gather_attention: each query over the keys its
-    indices name (-1: an unused slot) at or before its position. -> out [bh, seq_q, g, d],
-    lse [bh, seq_q, g] (a query with no key: zeros and -inf)"""
+    indices name (-1: an unused slot) at or before its position, the set of them: a key named in
+    several slots counts once. -> out [bh, seq_q, g, d], lse [bh, seq_q, g] (a query with no key:
+    zeros and -inf)"""
     bh, m, g, d = q.shape
     n = k.shape[1]
     # unused slots (-1) land in an extra column, dropped after

@@ -27,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import counters, flops
+from kernels.selected_attention.reference import distinct_slots
 from kernels.triton_tiles import (backward_delta, group_problem, key_grads_step, key_tile_start, load_backward_rows,
                                   load_keys, load_readers, padded_group, power_of_two, probabilities, pv,
                                   query_program, readers_per_tile, refuse, softmax_start, softmax_step,
@@ -153,7 +154,9 @@ class TritonGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, start):
         check_supported(q)
-        q, k, v, indices = q.contiguous(), k.contiguous(), v.contiguous(), indices.contiguous()
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # a key named in several slots counts once (and its bit in key_runs' masks is set once)
+        indices = torch.where(distinct_slots(indices, indices >= 0), indices, -1).contiguous()
         bh, m, group, dim = q.shape
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)

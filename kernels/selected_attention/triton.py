@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import flops
+from kernels.selected_attention.reference import distinct_slots
 from kernels.triton_tiles import (backward_delta, group_problem, key_grads_step, key_tile_start, load_backward_rows,
                                   load_keys, load_readers, padded_group, power_of_two, probabilities, pv,
                                   query_program, readers_per_tile, refuse, softmax_start, softmax_step,
@@ -155,6 +156,7 @@ def selected_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Te
     operator so torch.compile and CUDA graphs take it whole."""
     check_supported(q, block)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    valid = distinct_slots(indices, valid)  # a block in several slots counts once
     indices, valid8 = indices.contiguous(), valid.to(torch.int8).contiguous()
     w = valid8 if weights is None else weights.float().contiguous()  # a placeholder pointer when unweighted
     out = torch.empty_like(q)
@@ -178,6 +180,7 @@ def selected_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
                       weights: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv and the slot weights' gradient (zeros without weights)."""
     q, k, v, out, lse = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.float().contiguous()
+    valid = distinct_slots(indices, valid)  # as the forward counted them
     indices, valid8 = indices.contiguous(), valid.to(torch.int8).contiguous()
     dout = dout.contiguous()
     w = valid8 if weights is None else weights.float().contiguous()

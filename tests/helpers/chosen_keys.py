@@ -31,3 +31,22 @@ def random_selection(bh: int, m: int, start: int, block: int, selected: int,
     for s in range(1, selected):
         valid[..., s] = (indices[..., s : s + 1] != indices[..., :s]).all(-1)
     return indices, valid
+
+
+def repeat_some_slots(indices: Tensor, valid: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """A choice with repeats: about half of the slots after the first copy an earlier slot's index and
+    validity. indices, valid [.., slots] -> indices, valid, and which slots count [.., slots]: the
+    valid ones that no earlier valid slot of their row names the same index as (a plain loop, to
+    check the kernels' own de-duplication against)."""
+    indices, valid = indices.clone(), valid.clone()
+    slots = indices.shape[-1]
+    for s in range(1, slots):
+        source = (torch.rand(indices.shape[:-1], generator=generator) * s).long()[..., None]
+        copy = torch.rand(indices.shape[:-1], generator=generator) < 0.5
+        indices[..., s] = torch.where(copy, indices.gather(-1, source)[..., 0], indices[..., s])
+        valid[..., s] = torch.where(copy, valid.gather(-1, source)[..., 0], valid[..., s])
+    counts = valid.clone()
+    for s in range(slots):
+        for earlier in range(s):
+            counts[..., s] &= ~(valid[..., earlier] & (indices[..., earlier] == indices[..., s]))
+    return indices, valid, counts

@@ -6,7 +6,7 @@ import torch
 
 from kernels.gather_attention import gather_attention, gathered_probabilities
 from kernels.gather_attention.naive import gather_attention as naive
-from tests.helpers.chosen_keys import random_indices
+from tests.helpers.chosen_keys import random_indices, repeat_some_slots
 
 CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, top_k)
     (1, 16, 16, 1, 8, 4),
@@ -79,3 +79,25 @@ def test_gathered_probabilities_are_the_attention_weights_summed_over_the_group(
     expected = scores.masked_fill((indices < 0)[:, :, None], float("-inf")).softmax(-1).sum(2)
     torch.testing.assert_close(probs, expected.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(probs.sum(-1), torch.full((2, 23), 3.0, dtype=torch.float64))
+
+
+def test_a_key_named_in_several_slots_counts_once():
+    """The chosen keys are a set: the reference, the naive definition and the probabilities given
+    to the indexer all equal what the same indices give with the repeats unused (-1), the
+    probabilities of a repeated slot 0."""
+    q, k, v, gen = inputs(2, 21, 21, 2, 8)
+    chosen = random_indices(2, 21, 0, 6, gen)
+    indices, _, counts = repeat_some_slots(chosen, chosen >= 0, gen)
+    assert ((indices >= 0) & ~counts).any(), "the case must repeat some keys"
+    once = indices.masked_fill(~counts, -1)
+    grad = torch.randn(2, 21, 2, 8, dtype=torch.float64, generator=gen)
+    results = []
+    for attend, chosen_keys in ((gather_attention, indices), (naive, indices), (naive, once)):
+        out, lse = attend(q, k, v, chosen_keys, 0)
+        results.append([out, lse, *torch.autograd.grad((out * grad).sum() + lse.sum(), (q, k, v))])
+    for ours in results[:2]:
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, results[2]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"{name} differs")
+    probs = gathered_probabilities(q, k, indices, results[0][1], 0)
+    torch.testing.assert_close(probs, gathered_probabilities(q, k, once, results[0][1], 0), rtol=0, atol=0)
+    torch.testing.assert_close(probs.sum(-1), torch.full((2, 21), 2.0, dtype=torch.float64))

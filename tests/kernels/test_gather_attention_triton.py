@@ -8,7 +8,7 @@ import torch
 from kernels import counters
 from kernels.gather_attention import gather_attention
 from kernels.gather_attention.triton import KEY_TILE, key_runs
-from tests.helpers.chosen_keys import random_indices
+from tests.helpers.chosen_keys import random_indices, repeat_some_slots
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,3 +90,29 @@ def test_unsupported_shapes_fail_with_the_constraint():
     k = v = torch.randn(1, 4, 48)
     with pytest.raises(ValueError, match="dim_head=48 must be a power of two.*model.kernel=torch"):
         gather_attention(q, k, v, torch.zeros(1, 4, 1, dtype=torch.long), 0, "triton")
+
+
+def test_a_key_named_in_several_slots_counts_once():
+    """The chosen keys are a set: the kernel gives the naive definition's values and gradients, and
+    to the bit what it gives with the repeats unused (-1); a repeat in a key tile's bit mask would
+    name another key."""
+    from kernels.gather_attention.naive import gather_attention as naive
+
+    gen = torch.Generator().manual_seed(7)
+    bh, m, g, d, top_k = 1, 19, 2, 16, 6
+    tensors = (torch.randn(bh, m, g, d, generator=gen), torch.randn(bh, m, d, generator=gen),
+               torch.randn(bh, m, d, generator=gen))
+    chosen = random_indices(bh, m, 0, top_k, gen)
+    indices, _, counts = repeat_some_slots(chosen, chosen >= 0, gen)
+    assert ((indices >= 0) & ~counts).any(), "the case must repeat some keys"
+    grad = torch.randn(bh, m, g, d, generator=gen)
+    results = []
+    for attend, chosen_keys in (("triton", indices), ("triton", indices.masked_fill(~counts, -1)), (naive, indices)):
+        leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
+        out, lse = (gather_attention(*leaves, chosen_keys.to(DEVICE), 0, attend) if attend == "triton"
+                    else attend(*leaves, chosen_keys.to(DEVICE), 0))
+        results.append([t.cpu() for t in (out, lse, *torch.autograd.grad((out * grad.to(DEVICE)).sum() + lse.sum(),
+                                                                         leaves))])
+    for name, ours, as_set, ref in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(ours, as_set, rtol=0, atol=0, msg=f"{name} differs from the repeats unused")
+        torch.testing.assert_close(ours, ref, rtol=2e-5, atol=2e-5, msg=f"{name} differs from the definition")

@@ -6,7 +6,7 @@ import torch
 
 from kernels.selected_attention import selected_attention
 from kernels.selected_attention.naive import selected_attention as naive
-from tests.helpers.chosen_keys import random_selection
+from tests.helpers.chosen_keys import random_selection, repeat_some_slots
 
 
 CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, block, selected)
@@ -89,3 +89,43 @@ def test_slot_weights_scale_each_slots_share_and_get_their_gradient():
     theirs = torch.autograd.grad((ref * grad).sum() + (ref_lse * grad_lse).sum(), leaves)
     for a, b, name in zip(ours, theirs, ("q", "k", "v", "weights")):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"d{name} differs")
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_a_block_named_in_several_valid_slots_counts_once(weighted):
+    """The chosen blocks are a set: the reference and the naive definition both give what the same
+    selection gives with the repeated slots marked unused; with weights the first slot's weight
+    holds and a repeated slot's weight gets no gradient."""
+    gen = torch.Generator().manual_seed(5)
+    bh, m, g, d, block, selected = 2, 22, 2, 8, 4, 4
+    q = torch.randn(bh, m, g, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(bh, m, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(bh, m, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    weights = torch.rand(bh, m, selected, dtype=torch.float64, generator=gen).add(0.5).requires_grad_()
+    indices, valid, counts = repeat_some_slots(*random_selection(bh, m, 0, block, selected, gen), gen)
+    assert (valid & ~counts).any(), "the case must repeat some blocks in valid slots"
+    grad = torch.randn(bh, m, g, d, dtype=torch.float64, generator=gen)
+    leaves = (q, k, v, weights) if weighted else (q, k, v)
+    results = []
+    for attend, slots_valid in ((selected_attention, valid), (naive, valid), (naive, counts)):
+        w = weights if weighted else None
+        out, lse = attend(q, k, v, indices, slots_valid, 0, block, weights=w)
+        results.append([out, lse, *torch.autograd.grad((out * grad).sum() + lse.sum(), leaves)])
+    for ours in results[:2]:
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dweights"), ours, results[2]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"{name} differs")
+    if weighted:
+        assert (results[0][-1][valid & ~counts] == 0).all()
+
+
+def test_distinct_slots_keeps_the_first_valid_slot_of_each_block():
+    """The de-duplication every path runs, against a plain loop, with as many slots as gather
+    attention's rows hold and unused slots that name the same blocks as used ones."""
+    from kernels.selected_attention.reference import distinct_slots
+
+    gen = torch.Generator().manual_seed(8)
+    indices = torch.randint(0, 12, (3, 5, 40), generator=gen)
+    valid = torch.rand(3, 5, 40, generator=gen) < 0.7
+    indices, valid, counts = repeat_some_slots(indices, valid, gen)
+    assert (valid & ~counts).any() and (~valid).any()
+    assert torch.equal(distinct_slots(indices, valid), counts)

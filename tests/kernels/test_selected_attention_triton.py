@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.selected_attention import selected_attention
-from tests.helpers.chosen_keys import random_selection
+from tests.helpers.chosen_keys import random_selection, repeat_some_slots
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,3 +119,34 @@ def test_the_custom_operator_passes_torch_library_checks():
     indices, valid = (t.to(DEVICE) for t in random_selection(bh, m, 0, block, selected, gen))
     torch.library.opcheck(selected_forward, (q, k, v, indices, valid, 0, block, None),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_a_block_named_in_several_valid_slots_counts_once(weighted):
+    """The chosen blocks are a set: the kernel gives the naive definition's values and gradients, and
+    to the bit what it gives with the repeated slots marked unused (a repeated slot's weight: no
+    gradient)."""
+    from kernels.selected_attention.naive import selected_attention as naive
+
+    gen = torch.Generator().manual_seed(6)
+    bh, m, g, d, block, selected = 1, 14, 2, 16, 4, 3
+    tensors = (torch.randn(bh, m, g, d, generator=gen), torch.randn(bh, m, d, generator=gen),
+               torch.randn(bh, m, d, generator=gen), torch.rand(bh, m, selected, generator=gen) + 0.5)
+    indices, valid, counts = repeat_some_slots(*random_selection(bh, m, 0, block, selected, gen), gen)
+    assert (valid & ~counts).any(), "the case must repeat some blocks in valid slots"
+    grad = torch.randn(bh, m, g, d, generator=gen)
+    results = []
+    for attend, slots_valid in (("triton", valid), ("triton", counts), (naive, valid)):
+        leaves = [t.to(DEVICE).requires_grad_() for t in (tensors if weighted else tensors[:3])]
+        args = (indices.to(DEVICE), slots_valid.to(DEVICE), 0, block)
+        w = leaves[3] if weighted else None
+        out, lse = (selected_attention(*leaves[:3], *args, attend, w) if attend == "triton"
+                    else attend(*leaves[:3], *args, w))
+        results.append([t.cpu() for t in (out, lse, *torch.autograd.grad((out * grad.to(DEVICE)).sum() + lse.sum(),
+                                                                         leaves))])
+    names = ("out", "lse", "dq", "dk", "dv", "dweights")
+    for name, ours, as_set, ref in zip(names, *results):
+        torch.testing.assert_close(ours, as_set, rtol=0, atol=0, msg=f"{name} differs from the repeats unused")
+        torch.testing.assert_close(ours, ref, rtol=2e-5, atol=2e-5, msg=f"{name} differs from the definition")
+    if weighted:
+        assert (results[0][-1][valid & ~counts] == 0).all()
