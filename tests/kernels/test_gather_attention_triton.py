@@ -9,6 +9,7 @@ from kernels import counters
 from kernels.gather_attention import gather_attention
 from kernels.gather_attention.triton import KEY_TILE, key_runs
 from tests.helpers.chosen_keys import random_indices, repeat_some_slots
+from tests.helpers.kernel_checks import assert_all_close, values_and_grads
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,13 +38,8 @@ def test_kernel_matches_the_reference(bh, m, n, g, d, top_k, dtype):
     for kernel, tensors in (("torch", (q.float(), k.float(), v.float())), ("triton", (q, k, v))):
         leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
         out, lse = gather_attention(*leaves, indices, n - m, kernel)
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, out.dtype)
-        grad_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, lse.dtype)
-        grads = torch.autograd.grad((out * grad_out).float().sum() + (lse * grad_lse).float().sum(), leaves)
-        results.append([out, lse, *grads])
-    tol = TOLERANCE[dtype]
-    for name, ref, ours in zip(("out", "lse", "dq", "dk", "dv"), *results):
-        torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), rtol=tol, atol=tol, msg=f"{name} differs")
+        results.append(values_and_grads(out, lse, leaves))
+    assert_all_close(results[1], results[0], TOLERANCE[dtype])
 
 
 def test_reverse_index_lists_each_query_once_per_key_tile_with_the_keys_it_chose():
@@ -105,14 +101,11 @@ def test_a_key_named_in_several_slots_counts_once():
     chosen = random_indices(bh, m, 0, top_k, gen)
     indices, _, counts = repeat_some_slots(chosen, chosen >= 0, gen)
     assert ((indices >= 0) & ~counts).any(), "the case must repeat some keys"
-    grad = torch.randn(bh, m, g, d, generator=gen)
     results = []
     for attend, chosen_keys in (("triton", indices), ("triton", indices.masked_fill(~counts, -1)), (naive, indices)):
         leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
         out, lse = (gather_attention(*leaves, chosen_keys.to(DEVICE), 0, attend) if attend == "triton"
                     else attend(*leaves, chosen_keys.to(DEVICE), 0))
-        results.append([t.cpu() for t in (out, lse, *torch.autograd.grad((out * grad.to(DEVICE)).sum() + lse.sum(),
-                                                                         leaves))])
-    for name, ours, as_set, ref in zip(("out", "lse", "dq", "dk", "dv"), *results):
-        torch.testing.assert_close(ours, as_set, rtol=0, atol=0, msg=f"{name} differs from the repeats unused")
-        torch.testing.assert_close(ours, ref, rtol=2e-5, atol=2e-5, msg=f"{name} differs from the definition")
+        results.append(values_and_grads(out, lse, leaves))
+    assert_all_close(results[0], results[1], 0, " from the repeats unused")
+    assert_all_close(results[0], results[2], 2e-5, " from the definition")

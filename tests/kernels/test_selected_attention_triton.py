@@ -6,6 +6,7 @@ import torch
 
 from kernels.selected_attention import selected_attention
 from tests.helpers.chosen_keys import random_selection, repeat_some_slots
+from tests.helpers.kernel_checks import assert_all_close, values_and_grads
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,13 +43,8 @@ def test_kernel_matches_the_reference(bh, m, n, g, d, block, selected, dtype):
     for kernel, tensors in (("torch", (q.float(), k.float(), v.float())), ("triton", (q, k, v))):
         leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
         out, lse = selected_attention(*leaves, indices.to(DEVICE), valid.to(DEVICE), n - m, block, kernel)
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, out.dtype)
-        grad_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, lse.dtype)
-        grads = torch.autograd.grad((out * grad_out).float().sum() + (lse * grad_lse).float().sum(), leaves)
-        results.append([out, lse, *grads])
-    tol = TOLERANCE[dtype]
-    for name, ref, ours in zip(("out", "lse", "dq", "dk", "dv"), *results):
-        torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), rtol=tol, atol=tol, msg=f"{name} differs")
+        results.append(values_and_grads(out, lse, leaves))
+    assert_all_close(results[1], results[0], TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("d,block", [(32, 4), (32, 16)], ids=["sums", "tiles"])
@@ -134,7 +130,6 @@ def test_a_block_named_in_several_valid_slots_counts_once(weighted):
                torch.randn(bh, m, d, generator=gen), torch.rand(bh, m, selected, generator=gen) + 0.5)
     indices, valid, counts = repeat_some_slots(*random_selection(bh, m, 0, block, selected, gen), gen)
     assert (valid & ~counts).any(), "the case must repeat some blocks in valid slots"
-    grad = torch.randn(bh, m, g, d, generator=gen)
     results = []
     for attend, slots_valid in (("triton", valid), ("triton", counts), (naive, valid)):
         leaves = [t.to(DEVICE).requires_grad_() for t in (tensors if weighted else tensors[:3])]
@@ -142,11 +137,8 @@ def test_a_block_named_in_several_valid_slots_counts_once(weighted):
         w = leaves[3] if weighted else None
         out, lse = (selected_attention(*leaves[:3], *args, attend, w) if attend == "triton"
                     else attend(*leaves[:3], *args, w))
-        results.append([t.cpu() for t in (out, lse, *torch.autograd.grad((out * grad.to(DEVICE)).sum() + lse.sum(),
-                                                                         leaves))])
-    names = ("out", "lse", "dq", "dk", "dv", "dweights")
-    for name, ours, as_set, ref in zip(names, *results):
-        torch.testing.assert_close(ours, as_set, rtol=0, atol=0, msg=f"{name} differs from the repeats unused")
-        torch.testing.assert_close(ours, ref, rtol=2e-5, atol=2e-5, msg=f"{name} differs from the definition")
+        results.append(values_and_grads(out, lse, leaves))
+    assert_all_close(results[0], results[1], 0, " from the repeats unused")
+    assert_all_close(results[0], results[2], 2e-5, " from the definition")
     if weighted:
-        assert (results[0][-1][valid & ~counts] == 0).all()
+        assert (results[0][-1].cpu()[valid & ~counts] == 0).all()
