@@ -77,12 +77,12 @@ def readers_per_tile(group: int, use_dot: bool) -> tuple[int, int]:
     return rows, max(1, 64 // rows)
 
 
-def group_problem(group: int) -> Optional[str]:
+def group_problem(group: int) -> str | None:
     """What is wrong with this GQA group for the group-centric kernels (registers for 64 rows), or None."""
     return f"the GQA group (heads / kv_heads = {group}) must be at most 64" if group > 64 else None
 
 
-def backward_delta(dout: torch.Tensor, out: torch.Tensor, dlse: Optional[torch.Tensor]) -> torch.Tensor:
+def backward_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
     """delta [batch_kv, seq_q, group] = rowsum(dO * O) minus the log-sum-exp's own gradient: the
     softmax backward's dS = P * (dP - delta) then covers both outputs."""
     delta = (dout.float() * out.float()).sum(-1)
