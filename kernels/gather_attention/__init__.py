@@ -29,12 +29,13 @@ def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: in
 
     q        [batch_kv, seq_q, group, dim_head]  queries of one GQA group (batch * kv_heads first)
     k, v     [batch_kv, seq_k, dim_head]         keys and values from position 0
-    indices  [batch_kv, seq_q, top_k]            key positions per query (int64), distinct per query;
-                                                 -1 leaves a slot unused
+    indices  [batch_kv, seq_q, top_k]            key positions per query (int64); -1 leaves a slot
+                                                 unused
     start    position of the first query (seq_k - seq_q when decoding, 0 in training)
     returns  out [batch_kv, seq_q, group, dim_head] and its log-sum-exp [batch_kv, seq_q, group]
 
-    A key after the query's own position is masked even where an index names it. A query with no
+    The chosen keys are a set: a key named in several slots of a query counts once. A key after the
+    query's own position is masked even where an index names it. A query with no
     visible key gets zeros and a log-sum-exp of -inf (never NaN).
 
     kernel: model.kernel, picked by kernels/dispatch.py's rule: "torch" (reference.py), "triton"

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import at_least_fp32
-from kernels.selected_attention.reference import SelectedAttention
+from kernels.selected_attention.reference import SelectedAttention, distinct_slots
 
 _CHUNK = 1 << 20  # gathered key elements per chunk of gathered_probabilities
 
 
 def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: int) -> tuple[Tensor, Tensor]:
-    """Shapes and meaning as kernels.gather_attention.gather_attention."""
+    """Shapes and meaning as kernels.gather_attention.gather_attention (SelectedAttention counts a
+    repeated key once)."""
     return SelectedAttention.apply(q, k, v, indices.clamp(min=0), indices >= 0, start, 1, None)
 
 
@@ -26,13 +27,15 @@ def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: in
 def gathered_probabilities(q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, start: int) -> Tensor:
     """The attention probabilities of each query's gathered keys, summed over the heads of its
     group, recomputed from the log-sum-exp that gather_attention returned: q [bh, m, g, d],
-    k [bh, n, d], indices [bh, m, top_k], lse [bh, m, g] -> [bh, m, top_k] (0 in unused slots).
+    k [bh, n, d], indices [bh, m, top_k], lse [bh, m, g] -> [bh, m, top_k] (0 in unused slots, and
+    in a slot that repeats an earlier slot's key: the key's probability goes to its first slot).
     No gradient: DSA's indexer learns to match them, the attention does not learn from that."""
     bh, m, g, d = q.shape
     rows_q, rows_lse = q.reshape(bh * m, g, d), lse.reshape(bh * m, g)
     flat = (indices.clamp(min=0) + (torch.arange(bh, device=q.device) * k.shape[1])[:, None, None]).reshape(bh * m, -1)
     positions = (start + torch.arange(m, device=q.device)).repeat(bh)
-    allowed = ((indices >= 0).reshape(bh * m, -1) & (indices.reshape(bh * m, -1) <= positions[:, None]))
+    allowed = (distinct_slots(indices, indices >= 0).reshape(bh * m, -1)
+               & (indices.reshape(bh * m, -1) <= positions[:, None]))
     keys = k.reshape(-1, d)
     out = at_least_fp32(q.new_empty(bh * m, indices.shape[-1]))
     step = max(1, _CHUNK // (indices.shape[-1] * d))

@@ -37,8 +37,11 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
     returns  out [batch_kv, seq_q, group, dim_head] and its log-sum-exp [batch_kv, seq_q, group],
              so that partial attentions over disjoint key sets can be merged exactly
 
-    Keys after a query's own position are masked (-inf) even inside a selected block. A query with
-    no visible key gets zeros and a log-sum-exp of -inf (never NaN).
+    The chosen blocks are a set: a query attends to the union of its valid slots' blocks, so a block
+    named in several valid slots counts once (with weights, the first of those slots gives its
+    factor, and the later ones get a zero gradient). Keys after a query's own position are masked
+    (-inf) even inside a selected block. A query with no visible key gets zeros and a log-sum-exp
+    of -inf (never NaN).
 
     kernel: model.kernel, picked by kernels/dispatch.py's rule: "torch" (reference.py), "triton"
     (triton.py), "auto" (Triton on CUDA where the shape suits it, the reference elsewhere); the

@@ -8,14 +8,15 @@ from torch import Tensor
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int, block: int,
                        weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Shapes and meaning as kernels.selected_attention.selected_attention: each query over the keys
-    of its valid selected blocks at or before its position; with weights, each key's probability is
-    scaled by its slot's weight before the values. -> out [bh, seq_q, g, d], lse [bh, seq_q, g]"""
+    of its valid selected blocks at or before its position (the union: a block named in several
+    valid slots counts once); with weights, each key's probability is scaled by the weight of the
+    first slot that names its block. -> out [bh, seq_q, g, d], lse [bh, seq_q, g]"""
     n = k.shape[1]
     key_block = torch.arange(n, device=q.device) // block
     allowed = torch.zeros(q.shape[0], q.shape[1], n, dtype=torch.bool, device=q.device)
     scale = torch.zeros(q.shape[0], q.shape[1], n, dtype=q.dtype, device=q.device)
     for s in range(indices.shape[-1]):
-        in_slot = (key_block == indices[..., s : s + 1]) & valid[..., s : s + 1]
+        in_slot = (key_block == indices[..., s : s + 1]) & valid[..., s : s + 1] & ~allowed  # not an earlier slot's
         allowed |= in_slot
         if weights is not None:
             scale = scale + in_slot * weights[..., s : s + 1]
@@ -26,17 +27,3 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: 
     probs = scores.softmax(-1) if weights is None else scores.softmax(-1) * scale[:, :, None]
     return torch.einsum("bmgk,bkd->bmgd", probs, v), scores.logsumexp(-1)
 
-
-def random_selection(bh: int, m: int, start: int, block: int, selected: int,
-                     generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Inputs for checking a kernel: each query's own block first (always valid), then random earlier
-    blocks, repeats marked invalid. -> indices, valid [bh, m, selected]"""
-    current = (start + torch.arange(m)) // block
-    picks = [current[None].expand(bh, m)]
-    for _ in range(selected - 1):
-        picks.append((torch.rand(bh, m, generator=generator) * (current + 1)).long())
-    indices = torch.stack(picks, -1)
-    valid = torch.ones_like(indices, dtype=torch.bool)
-    for s in range(1, selected):
-        valid[..., s] = (indices[..., s : s + 1] != indices[..., :s]).all(-1)
-    return indices, valid

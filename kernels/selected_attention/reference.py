@@ -67,12 +67,26 @@ def _finite(lse: Tensor) -> Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
+def distinct_slots(indices: Tensor, valid: Tensor) -> Tensor:
+    """The chosen blocks (or keys) are a set: indices, valid [batch_kv, seq_q, slots] (or any leading
+    dims) -> valid with every slot that names the same index as an earlier valid slot of its row made
+    invalid, so each counts once and the first slot keeps its weight. A stable sort per row,
+    O(slots log slots): gather attention's rows hold thousands of slots."""
+    slots = indices.shape[-1]
+    if slots < 2:
+        return valid
+    # unused slots get distinct negative keys, so that they never match each other or a used one
+    keys = torch.where(valid, indices, torch.arange(-1, -1 - slots, -1, device=indices.device))
+    ordered, order = keys.sort(dim=-1, stable=True)  # stable: equal indices stay in slot order
+    first = torch.ones_like(valid).scatter_(-1, order[..., 1:], ordered[..., 1:] != ordered[..., :-1])
+    return valid & first
 
 
 class SelectedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, valid, start, block, weights):
         bh, m, g, d = q.shape
+        valid = distinct_slots(indices, valid)  # a block in several slots counts once; backward reuses it
         scale = d**-0.5
         rows = _Rows(q, indices, valid, start, block, k.shape[1], _FORWARD_CHUNK)
         slot_weights = None if weights is None else rows.slot_weights(weights)

@@ -16,11 +16,13 @@ Inner products are tensor-core tiles (tl.dot, fp32 accumulation, IEEE precision 
 the group padded to 16 rows and a block under 16 keys padded to 16 masked keys, so a GPU runs
 every shape through the tiles the interpreter checks (a block of 4 at a group of 16 in fp32 once
 took a broadcast multiply-and-sum that the interpreter computed right and a GPU did not); only bf16
-in the interpreter, which numpy cannot take to tl.dot, uses the sum. Constraints, checked before launch: dim_head <= 256 and a power of two
-(32, 64, 128 in practice), group <= 64, block <= 128 and a power of two. Runs on CUDA tensors, or
-on CPU tensors under TRITON_INTERPRET=1 (slow: the tests use tiny shapes). The forward and the
-backward are custom operators (`sparse_attention::selected_forward`, `selected_backward`), so
-torch.compile and CUDA graphs take them whole; the softmax scale is a constexpr.
+in the interpreter, which numpy cannot take to tl.dot, uses the sum. Constraints, checked before
+launch: dim_head <= 256 and a power of two (32, 64, 128 in practice), group <= 64, block <= 128 and
+a power of two. Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (slow: the tests
+use tiny shapes). The forward and the backward are custom operators
+(`sparse_attention::selected_forward`, `selected_backward`), so torch.compile and CUDA graphs take
+them whole; the softmax scale is a constexpr. The steps these kernels share with gather attention's
+(kernels/gather_attention/triton.py) are in kernels/triton_tiles.py.
 """
 
 from typing import Optional
@@ -32,153 +34,96 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import flops
-from kernels.triton_tiles import power_of_two, pv, qk, refuse, tiles_usable
+from kernels.selected_attention.reference import distinct_slots
+from kernels.triton_tiles import (backward_delta, group_problem, key_grads_step, key_tile_start, load_backward_rows,
+                                  load_keys, load_readers, padded_group, power_of_two, probabilities, pv,
+                                  query_program, readers_per_tile, refuse, softmax_start, softmax_step,
+                                  store_key_grads, store_softmax, tiles_usable, visible_to_readers, with_dim)
 
 
 def check_supported(q: Tensor, block: int) -> None:
-    group, dim = q.shape[2], q.shape[3]
-    refuse("selected-attention", q, power_of_two("dim_head", dim, 256),
-           group > 64 and f"the GQA group (heads / kv_heads = {group}) must be at most 64",
+    refuse("selected-attention", q, power_of_two("dim_head", q.shape[3], 256), group_problem(q.shape[2]),
            power_of_two("fine_block_size", block, 128))
 
 
 @triton.jit
-def _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """Slot s of query `row`: its keys and values [KB, D] (j = arange(KB), KB >= BLOCK; zeros where
-    masked), which of them the query may see (in the block, at or before t, slot in use), and their
-    offsets."""
-    block_index = tl.load(IDX + (bh * seq_q + row) * num_selected + s)
-    ok = tl.load(VALID + (bh * seq_q + row) * num_selected + s + j * 0) != 0  # [KB], one value
-    key_pos = block_index * BLOCK + j
-    key_ok = (key_pos <= t) & (key_pos < seq_k) & ok & (j < BLOCK)
-    kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
-    k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
-    return k, v, key_ok, kv_off
+def _selected_block(K, V, INDICES, VALID, batch_head, row, slot, query_pos, seq_q, seq_k, num_selected,
+                    DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_PAD: tl.constexpr):
+    """Slot `slot` of query `row`: its keys and values [BLOCK_PAD, DIM] (BLOCK_PAD >= BLOCK; zeros
+    where masked) and which of them the query may see (in the block, at or before query_pos, slot
+    in use)."""
+    lane = tl.arange(0, BLOCK_PAD)
+    block_index = tl.load(INDICES + (batch_head * seq_q + row) * num_selected + slot)
+    in_use = tl.load(VALID + (batch_head * seq_q + row) * num_selected + slot + lane * 0) != 0  # one value
+    key_pos = block_index * BLOCK + lane
+    visible = (key_pos <= query_pos) & (key_pos < seq_k) & in_use & (lane < BLOCK)
+    k, v, _ = load_keys(K, V, batch_head, key_pos, visible, seq_k, DIM)
+    return k, v, visible
 
 
 @triton.jit
-def _forward(Q, K, V, IDX, VALID, W, OUT, LSE, start, seq_k, num_selected, scale: tl.constexpr,
-             G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
-             WEIGHTED: tl.constexpr):
-    row = tl.program_id(0)  # query position within the sequence
-    bh = tl.program_id(1)
-    seq_q = tl.num_programs(0)
-    t = start + row
-    g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    j = tl.arange(0, KB)
-    q_ptr = Q + ((bh * seq_q + row) * G + g[:, None]) * D + d[None, :]
-    q = tl.load(q_ptr, mask=g[:, None] < G, other=0.0)  # [GP, D]
-    m = tl.full([GP], float("-inf"), tl.float32)
-    l = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for s in range(num_selected):
-        k, v, key_ok, kv_off = _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D,
-                                               BLOCK)
-        scores = qk(q, k, USE_DOT) * scale  # [GP, KB]
-        scores = tl.where(key_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep everything at 0
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        if WEIGHTED:  # the slot's share of the output, not of the normaliser
-            p = p * tl.load(W + (bh * seq_q + row) * num_selected + s).to(tl.float32)
-        acc = acc * alpha[:, None] + pv(p, v, USE_DOT)
-        m = m_new
-    has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]  # fp32 until the store
-    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
-    tl.store(OUT + ((bh * seq_q + row) * G + g[:, None]) * D + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=g[:, None] < G)
-    tl.store(LSE + (bh * seq_q + row) * G + g, lse, mask=g < G)
+def _forward(Q, K, V, INDICES, VALID, W, OUT, LSE, start, seq_k, num_selected, scale: tl.constexpr,
+             GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_PAD: tl.constexpr,
+             GROUP_PAD: tl.constexpr, USE_DOT: tl.constexpr, WEIGHTED: tl.constexpr):
+    row, batch_head, seq_q, rows, head_ok = query_program(GROUP, GROUP_PAD)
+    q = tl.load(Q + with_dim(rows, DIM), mask=head_ok[:, None], other=0.0)  # [GROUP_PAD, DIM]
+    row_max, row_sum, acc = softmax_start(GROUP_PAD, DIM)
+    for slot in range(num_selected):
+        k, v, visible = _selected_block(K, V, INDICES, VALID, batch_head, row, slot, start + row, seq_q, seq_k,
+                                        num_selected, DIM, BLOCK, BLOCK_PAD)
+        weight = 1.0
+        if WEIGHTED:
+            weight = tl.load(W + (batch_head * seq_q + row) * num_selected + slot).to(tl.float32)
+        row_max, row_sum, acc = softmax_step(q, k, v, visible, scale, weight, row_max, row_sum, acc, WEIGHTED,
+                                             USE_DOT)
+    store_softmax(OUT, LSE, rows, head_ok, acc, row_max, row_sum, DIM)
 
 
 @triton.jit
-def _backward_q(Q, K, V, IDX, VALID, W, DOUT, LSE, DELTA, DQ, DW, start, seq_k, num_selected, scale: tl.constexpr,
-                G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, GP: tl.constexpr, USE_DOT: tl.constexpr,
-                WEIGHTED: tl.constexpr):
-    row = tl.program_id(0)
-    bh = tl.program_id(1)
-    seq_q = tl.num_programs(0)
-    t = start + row
-    g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    j = tl.arange(0, KB)
-    rows = ((bh * seq_q + row) * G + g[:, None]) * D + d[None, :]
-    g_ok = g < G
-    q = tl.load(Q + rows, mask=g_ok[:, None], other=0.0)
-    do = tl.load(DOUT + rows, mask=g_ok[:, None], other=0.0)
-    lse = tl.load(LSE + (bh * seq_q + row) * G + g, mask=g_ok, other=float("-inf"))
-    lse = tl.where(lse == float("-inf"), 0.0, lse)  # an empty row: its probabilities come out 0
-    delta = tl.load(DELTA + (bh * seq_q + row) * G + g, mask=g_ok, other=0.0)
-    dq = tl.zeros([GP, D], tl.float32)
-    for s in range(num_selected):
-        k, v, key_ok, kv_off = _selected_block(K, V, IDX, VALID, bh, row, s, t, seq_q, seq_k, num_selected, j, d, D,
-                                               BLOCK)
-        scores = qk(q, k, USE_DOT) * scale
-        p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(scores - lse[:, None]), 0.0)  # [GP, KB]
-        dp = qk(do, v, USE_DOT)
+def _backward_q(Q, K, V, INDICES, VALID, W, DOUT, LSE, DELTA, DQ, DW, start, seq_k, num_selected,
+                scale: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+                BLOCK_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, USE_DOT: tl.constexpr, WEIGHTED: tl.constexpr):
+    row, batch_head, seq_q, rows, head_ok = query_program(GROUP, GROUP_PAD)
+    q, do, lse, delta = load_backward_rows(Q, DOUT, LSE, DELTA, rows, head_ok, DIM)
+    dq = tl.zeros([GROUP_PAD, DIM], tl.float32)
+    for slot in range(num_selected):
+        k, v, visible = _selected_block(K, V, INDICES, VALID, batch_head, row, slot, start + row, seq_q, seq_k,
+                                        num_selected, DIM, BLOCK, BLOCK_PAD)
+        p, dp = probabilities(q, do, lse, k, v, visible[None, :] & head_ok[:, None], scale, USE_DOT)
         if WEIGHTED:  # out = sum_s w_s P_s V_s: w_s gets sum(P_s * dP_s)
-            slot = (bh * seq_q + row) * num_selected + s
-            tl.store(DW + slot, tl.sum(tl.sum(p * dp, axis=1), axis=0))
-            dp = dp * tl.load(W + slot).to(tl.float32)
+            slot_offset = (batch_head * seq_q + row) * num_selected + slot
+            tl.store(DW + slot_offset, tl.sum(tl.sum(p * dp, axis=1), axis=0))
+            dp = dp * tl.load(W + slot_offset).to(tl.float32)
         dq += pv(p * (dp - delta[:, None]), k, USE_DOT)
-    tl.store(DQ + rows, (dq * scale).to(DQ.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(DQ + with_dim(rows, DIM), (dq * scale).to(DQ.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
 def _backward_kv(Q, K, V, W, DOUT, LSE, DELTA, DK, DV, FIRST, PAIR_ROW, PAIR_SLOT, start, seq_q, seq_k, num_selected,
-                 num_blocks, scale: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, KB: tl.constexpr, GP: tl.constexpr,
-                 BQ: tl.constexpr, USE_DOT: tl.constexpr, WEIGHTED: tl.constexpr):
-    """One key block's dk, dv [KB, D] from the (query, slot) pairs that chose it:
-    PAIR_ROW/PAIR_SLOT[FIRST[b] : FIRST[b + 1]] for block b = bh * num_blocks + key block."""
+                 num_blocks, scale: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, READERS: tl.constexpr, USE_DOT: tl.constexpr,
+                 WEIGHTED: tl.constexpr):
+    """One key block's dk, dv [BLOCK_PAD, DIM] from the (query, slot) pairs that chose it:
+    PAIR_ROW/PAIR_SLOT[FIRST[b] : FIRST[b + 1]] for b = batch_head * num_blocks + key block;
+    READERS pairs at a time."""
     key_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh * num_blocks + key_block
-    j = tl.arange(0, KB)
-    d = tl.arange(0, D)
-    g = tl.arange(0, GP)
-    key_pos = key_block * BLOCK + j
-    kv_off = (bh * seq_k + key_pos[:, None]) * D + d[None, :]
-    in_seq = (key_pos < seq_k) & (j < BLOCK)
-    k = tl.load(K + kv_off, mask=in_seq[:, None], other=0.0)
-    v = tl.load(V + kv_off, mask=in_seq[:, None], other=0.0)
-    dk = tl.zeros([KB, D], tl.float32)
-    dv = tl.zeros([KB, D], tl.float32)
-    pairs_end = tl.load(FIRST + b + 1)
-    for p0 in range(tl.load(FIRST + b), pairs_end, BQ):
-        pair = p0 + tl.arange(0, BQ)
-        pair_ok = pair < pairs_end
-        row = tl.load(PAIR_ROW + pair, mask=pair_ok, other=0)  # [BQ] query positions
-        head = ((bh * seq_q + row[:, None]) * G + g[None, :])  # [BQ, GP] rows of q, lse, delta
-        ok = pair_ok[:, None] & (g[None, :] < G)
-        q = tl.reshape(tl.load(Q + head[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0),
-                       (BQ * GP, D))
-        do = tl.reshape(tl.load(DOUT + head[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0),
-                        (BQ * GP, D))
-        lse = tl.load(LSE + head, mask=ok, other=0.0)
-        lse = tl.reshape(tl.where(lse == float("-inf"), 0.0, lse), (BQ * GP,))
-        delta = tl.reshape(tl.load(DELTA + head, mask=ok, other=0.0), (BQ * GP,))
-        # a key counts for a pair where it is at or before the query (and in the sequence)
-        visible = ok[:, :, None] & (key_pos[None, None, :] <= start + row[:, None, None]) & in_seq[None, None, :]
-        visible = tl.reshape(visible, (BQ * GP, KB))
-        scores = qk(q, k, USE_DOT) * scale
-        p = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)  # [BQ * GP, KB]
-        dp = qk(do, v, USE_DOT)
+    batch_head = tl.program_id(1)
+    key_pos, in_seq, k, v, kv_offsets, dk, dv = key_tile_start(K, V, batch_head, key_block, seq_k, BLOCK, BLOCK_PAD,
+                                                               DIM)
+    every_key = tl.full([READERS, BLOCK_PAD], 1, tl.int1)  # a pair chose its whole block
+    pairs_end = tl.load(FIRST + batch_head * num_blocks + key_block + 1)
+    for first_pair in range(tl.load(FIRST + batch_head * num_blocks + key_block), pairs_end, READERS):
+        pair, pair_ok, row, head_ok, q, do, lse, delta = load_readers(Q, DOUT, LSE, DELTA, PAIR_ROW, first_pair,
+                                                                      pairs_end, batch_head, seq_q, GROUP, DIM,
+                                                                      GROUP_PAD, READERS)
+        visible = visible_to_readers(head_ok, row, every_key, key_pos, in_seq, start, READERS * GROUP_PAD, BLOCK_PAD)
+        weight = lse  # a placeholder where unweighted
         if WEIGHTED:
             slot = tl.load(PAIR_SLOT + pair, mask=pair_ok, other=0)
-            w = tl.load(W + (bh * seq_q + row) * num_selected + slot, mask=pair_ok, other=0.0).to(tl.float32)
-            w = tl.reshape(tl.broadcast_to(w[:, None], (BQ, GP)), (BQ * GP,))
-            dv += pv(tl.trans(p * w[:, None]), do, USE_DOT)
-            dp = dp * w[:, None]
-        else:
-            dv += pv(tl.trans(p), do, USE_DOT)
-        dk += pv(tl.trans(p * (dp - delta[:, None])), q, USE_DOT)
-    tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=in_seq[:, None])
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=in_seq[:, None])
+            w = tl.load(W + (batch_head * seq_q + row) * num_selected + slot, mask=pair_ok, other=0.0).to(tl.float32)
+            weight = tl.reshape(tl.broadcast_to(w[:, None], (READERS, GROUP_PAD)), (READERS * GROUP_PAD,))
+        dk, dv = key_grads_step(q, do, lse, delta, k, v, visible, weight, dk, dv, scale, WEIGHTED, USE_DOT)
+    store_key_grads(DK, DV, kv_offsets, in_seq, dk, dv, scale)
 
 
 def _reverse_index(indices: Tensor, valid: Tensor, num_blocks: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -199,10 +144,8 @@ def _launch_args(q: Tensor, k: Tensor, indices: Tensor, start: int, block: int, 
     # tensor-core tiles need every side >= 16: the group is padded up to 16 rows, and a block under 16
     # keys to 16 masked keys, so every shape takes the same tiles on a GPU as in the interpreter
     use_dot = tiles_usable(q.dtype, dim)
-    padded = triton.next_power_of_2(group)
-    meta = dict(G=group, D=dim, BLOCK=block, KB=max(16 if use_dot else 1, block), GP=max(16 if use_dot else 2, padded),
-                USE_DOT=use_dot)
-    meta["WEIGHTED"] = weights is not None
+    meta = dict(GROUP=group, DIM=dim, BLOCK=block, BLOCK_PAD=max(16 if use_dot else 1, block),
+                GROUP_PAD=padded_group(group, use_dot), USE_DOT=use_dot, WEIGHTED=weights is not None)
     return (m, bh), (start, k.shape[1], indices.shape[-1], dim**-0.5), meta
 
 
@@ -213,6 +156,7 @@ def selected_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Te
     operator so torch.compile and CUDA graphs take it whole."""
     check_supported(q, block)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    valid = distinct_slots(indices, valid)  # a block in several slots counts once
     indices, valid8 = indices.contiguous(), valid.to(torch.int8).contiguous()
     w = valid8 if weights is None else weights.float().contiguous()  # a placeholder pointer when unweighted
     out = torch.empty_like(q)
@@ -236,14 +180,12 @@ def selected_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
                       weights: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv and the slot weights' gradient (zeros without weights)."""
     q, k, v, out, lse = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.float().contiguous()
+    valid = distinct_slots(indices, valid)  # as the forward counted them
     indices, valid8 = indices.contiguous(), valid.to(torch.int8).contiguous()
     dout = dout.contiguous()
     w = valid8 if weights is None else weights.float().contiguous()
     dw = torch.zeros(indices.shape, device=q.device, dtype=torch.float32)
-    delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), minus the lse's own gradient
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    delta = backward_delta(dout, out, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # every key block has a program
     grid, scalars, meta = _launch_args(q, k, indices, start, block, weights)
     bh, m, group, dim = q.shape
@@ -251,9 +193,8 @@ def selected_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor
         _backward_q[grid](q, k, v, indices, valid8, w, dout, lse, delta, dq, dw, *scalars, **meta)
         num_blocks = triton.cdiv(k.shape[1], block)
         first, pair_row, pair_slot = _reverse_index(indices, valid8.bool(), num_blocks)
-        # queries per tile: the tile's rows (queries x padded group) at least 16 for tensor cores
-        rows = triton.next_power_of_2(group) if meta["USE_DOT"] else meta["GP"]
-        meta = dict(meta, GP=rows, BQ=max(1, 64 // rows))
+        rows, readers = readers_per_tile(group, meta["USE_DOT"])
+        meta = dict(meta, GROUP_PAD=rows, READERS=readers)
         start, seq_k, num_selected, scale = scalars
         _backward_kv[(num_blocks, bh)](q, k, v, w, dout, lse, delta, dk, dv, first, pair_row, pair_slot, start,
                                        m, seq_k, num_selected, num_blocks, scale, **meta)

@@ -6,7 +6,8 @@ import torch
 
 from kernels.gather_attention import gather_attention, gathered_probabilities
 from kernels.gather_attention.naive import gather_attention as naive
-from kernels.gather_attention.naive import random_indices
+from tests.helpers.chosen_keys import random_indices, repeat_some_slots
+from tests.helpers.kernel_checks import assert_all_close, values_and_grads
 
 CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, top_k)
     (1, 16, 16, 1, 8, 4),
@@ -30,15 +31,9 @@ def inputs(bh, m, n, g, d, dtype=torch.float64, seed=0):
 def test_matches_naive_reference(bh, m, n, g, d, top_k):
     q, k, v, gen = inputs(bh, m, n, g, d)
     indices = random_indices(bh, m, n - m, top_k, gen)
-    out, lse = gather_attention(q, k, v, indices, n - m)
-    ref, ref_lse = naive(q, k, v, indices, n - m)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
-    grad, grad_lse = torch.randn_like(out), torch.randn_like(lse)  # the lse output has a gradient too
-    ours_all = torch.autograd.grad((out * grad).sum() + (lse * grad_lse).sum(), (q, k, v))
-    theirs_all = torch.autograd.grad((ref * grad).sum() + (ref_lse * grad_lse).sum(), (q, k, v))
-    for ours, theirs, name in zip(ours_all, theirs_all, "qkv"):
-        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10, msg=f"d{name} differs")
+    # the lse output has a gradient too
+    ours = values_and_grads(*gather_attention(q, k, v, indices, n - m), (q, k, v))
+    assert_all_close(ours, values_and_grads(*naive(q, k, v, indices, n - m), (q, k, v)), 1e-10)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 4e-3), (torch.bfloat16, 3e-2)], ids=["fp16", "bf16"])
@@ -79,3 +74,22 @@ def test_gathered_probabilities_are_the_attention_weights_summed_over_the_group(
     expected = scores.masked_fill((indices < 0)[:, :, None], float("-inf")).softmax(-1).sum(2)
     torch.testing.assert_close(probs, expected.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(probs.sum(-1), torch.full((2, 23), 3.0, dtype=torch.float64))
+
+
+def test_a_key_named_in_several_slots_counts_once():
+    """The chosen keys are a set: the reference, the naive definition and the probabilities given
+    to the indexer all equal what the same indices give with the repeats unused (-1), the
+    probabilities of a repeated slot 0."""
+    q, k, v, gen = inputs(2, 21, 21, 2, 8)
+    chosen = random_indices(2, 21, 0, 6, gen)
+    indices, _, counts = repeat_some_slots(chosen, chosen >= 0, gen)
+    assert ((indices >= 0) & ~counts).any(), "the case must repeat some keys"
+    once = indices.masked_fill(~counts, -1)
+    as_set = values_and_grads(*naive(q, k, v, once, 0), (q, k, v))
+    for attend in (gather_attention, naive):
+        ours = values_and_grads(*attend(q, k, v, indices, 0), (q, k, v))
+        assert_all_close(ours, as_set, 1e-10, f" from the repeats unused ({attend.__module__})")
+    _, lse = gather_attention(q, k, v, indices, 0)
+    probs = gathered_probabilities(q, k, indices, lse, 0)
+    torch.testing.assert_close(probs, gathered_probabilities(q, k, once, lse, 0), rtol=0, atol=0)
+    torch.testing.assert_close(probs.sum(-1), torch.full((2, 21), 2.0, dtype=torch.float64))

@@ -7,8 +7,9 @@ import torch
 
 from kernels import counters
 from kernels.gather_attention import gather_attention
-from kernels.gather_attention.naive import random_indices
-from kernels.gather_attention.triton import BLOCK_T, key_runs
+from kernels.gather_attention.triton import KEY_TILE, key_runs
+from tests.helpers.chosen_keys import random_indices, repeat_some_slots
+from tests.helpers.kernel_checks import assert_all_close, values_and_grads
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,13 +38,8 @@ def test_kernel_matches_the_reference(bh, m, n, g, d, top_k, dtype):
     for kernel, tensors in (("torch", (q.float(), k.float(), v.float())), ("triton", (q, k, v))):
         leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
         out, lse = gather_attention(*leaves, indices, n - m, kernel)
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, out.dtype)
-        grad_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, lse.dtype)
-        grads = torch.autograd.grad((out * grad_out).float().sum() + (lse * grad_lse).float().sum(), leaves)
-        results.append([out, lse, *grads])
-    tol = TOLERANCE[dtype]
-    for name, ref, ours in zip(("out", "lse", "dq", "dk", "dv"), *results):
-        torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), rtol=tol, atol=tol, msg=f"{name} differs")
+        results.append(values_and_grads(out, lse, leaves))
+    assert_all_close(results[1], results[0], TOLERANCE[dtype])
 
 
 def test_reverse_index_lists_each_query_once_per_key_tile_with_the_keys_it_chose():
@@ -52,14 +48,14 @@ def test_reverse_index_lists_each_query_once_per_key_tile_with_the_keys_it_chose
     indices = random_indices(bh, m, n - m, top_k, gen)
     indices[0, 3, 1] = n - m + 10  # a key after its query: never listed
     first, run_row, run_bits = key_runs(indices, n - m, n)
-    tiles = -(-n // BLOCK_T)
+    tiles = -(-n // KEY_TILE)
     expected = {}
     for b in range(bh):
         for row in range(m):
             for key in indices[b, row].tolist():
                 if 0 <= key <= n - m + row:
-                    slot = (b * tiles + key // BLOCK_T, row)
-                    expected[slot] = expected.get(slot, 0) | 1 << key % BLOCK_T
+                    slot = (b * tiles + key // KEY_TILE, row)
+                    expected[slot] = expected.get(slot, 0) | 1 << key % KEY_TILE
     found = {}
     for tile in range(bh * tiles):
         for r in range(first[tile], first[tile + 1]):
@@ -90,3 +86,26 @@ def test_unsupported_shapes_fail_with_the_constraint():
     k = v = torch.randn(1, 4, 48)
     with pytest.raises(ValueError, match="dim_head=48 must be a power of two.*model.kernel=torch"):
         gather_attention(q, k, v, torch.zeros(1, 4, 1, dtype=torch.long), 0, "triton")
+
+
+def test_a_key_named_in_several_slots_counts_once():
+    """The chosen keys are a set: the kernel gives the naive definition's values and gradients, and
+    to the bit what it gives with the repeats unused (-1); a repeat in a key tile's bit mask would
+    name another key."""
+    from kernels.gather_attention.naive import gather_attention as naive
+
+    gen = torch.Generator().manual_seed(7)
+    bh, m, g, d, top_k = 1, 19, 2, 16, 6
+    tensors = (torch.randn(bh, m, g, d, generator=gen), torch.randn(bh, m, d, generator=gen),
+               torch.randn(bh, m, d, generator=gen))
+    chosen = random_indices(bh, m, 0, top_k, gen)
+    indices, _, counts = repeat_some_slots(chosen, chosen >= 0, gen)
+    assert ((indices >= 0) & ~counts).any(), "the case must repeat some keys"
+    results = []
+    for attend, chosen_keys in (("triton", indices), ("triton", indices.masked_fill(~counts, -1)), (naive, indices)):
+        leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
+        out, lse = (gather_attention(*leaves, chosen_keys.to(DEVICE), 0, attend) if attend == "triton"
+                    else attend(*leaves, chosen_keys.to(DEVICE), 0))
+        results.append(values_and_grads(out, lse, leaves))
+    assert_all_close(results[0], results[1], 0, " from the repeats unused")
+    assert_all_close(results[0], results[2], 2e-5, " from the definition")

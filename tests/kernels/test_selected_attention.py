@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from kernels.selected_attention import selected_attention
-from kernels.selected_attention.naive import random_selection
 from kernels.selected_attention.naive import selected_attention as naive
+from tests.helpers.chosen_keys import random_selection, repeat_some_slots
+from tests.helpers.kernel_checks import assert_all_close, random_qkv, values_and_grads
 
 
 CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, block, selected)
@@ -22,20 +23,12 @@ CASES = [  # (batch_kv, seq_q, seq_k, group, dim_head, block, selected)
                          ids=[f"BH{c[0]}-Q{c[1]}-K{c[2]}-G{c[3]}-D{c[4]}-blk{c[5]}-S{c[6]}" for c in CASES])
 def test_matches_naive_reference(bh, m, n, g, d, block, selected):
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(bh, m, g, d, dtype=torch.float64, generator=gen, requires_grad=True)
-    k = torch.randn(bh, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
-    v = torch.randn(bh, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    q, k, v = random_qkv(bh, m, n, g, d, gen)
     start = n - m
     indices, valid = random_selection(bh, m, start, block, selected, gen)
-    out, lse = selected_attention(q, k, v, indices, valid, start, block)
-    ref, ref_lse = naive(q, k, v, indices, valid, start, block)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
-    grad, grad_lse = torch.randn_like(out), torch.randn_like(lse)  # the lse output has a gradient too
-    ours_all = torch.autograd.grad((out * grad).sum() + (lse * grad_lse).sum(), (q, k, v))
-    theirs_all = torch.autograd.grad((ref * grad).sum() + (ref_lse * grad_lse).sum(), (q, k, v))
-    for ours, theirs, name in zip(ours_all, theirs_all, "qkv"):
-        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10, msg=f"d{name} differs")
+    # the lse output has a gradient too
+    ours = values_and_grads(*selected_attention(q, k, v, indices, valid, start, block), (q, k, v))
+    assert_all_close(ours, values_and_grads(*naive(q, k, v, indices, valid, start, block), (q, k, v)), 1e-10)
 
 
 def test_chunking_does_not_change_the_result(monkeypatch):
@@ -75,17 +68,42 @@ def test_slot_weights_scale_each_slots_share_and_get_their_gradient():
     weights' included (NSA's differentiable selection passes straight-through weights)."""
     gen = torch.Generator().manual_seed(2)
     bh, m, g, d, block, selected = 2, 23, 2, 8, 4, 3
-    q = torch.randn(bh, m, g, d, dtype=torch.float64, generator=gen, requires_grad=True)
-    k = torch.randn(bh, m, d, dtype=torch.float64, generator=gen, requires_grad=True)
-    v = torch.randn(bh, m, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    q, k, v = random_qkv(bh, m, m, g, d, gen)
     weights = torch.rand(bh, m, selected, dtype=torch.float64, generator=gen).add(0.5).requires_grad_()
     indices, valid = random_selection(bh, m, 0, block, selected, gen)
-    out, lse = selected_attention(q, k, v, indices, valid, 0, block, weights=weights)
-    ref, ref_lse = naive(q, k, v, indices, valid, 0, block, weights)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    grad, grad_lse = torch.randn_like(out), torch.randn_like(lse)
     leaves = (q, k, v, weights)
-    ours = torch.autograd.grad((out * grad).sum() + (lse * grad_lse).sum(), leaves)
-    theirs = torch.autograd.grad((ref * grad).sum() + (ref_lse * grad_lse).sum(), leaves)
-    for a, b, name in zip(ours, theirs, ("q", "k", "v", "weights")):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"d{name} differs")
+    ours = values_and_grads(*selected_attention(q, k, v, indices, valid, 0, block, weights=weights), leaves)
+    assert_all_close(ours, values_and_grads(*naive(q, k, v, indices, valid, 0, block, weights), leaves), 1e-10)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_a_block_named_in_several_valid_slots_counts_once(weighted):
+    """The chosen blocks are a set: the reference and the naive definition both give what the same
+    selection gives with the repeated slots marked unused; with weights the first slot's weight
+    holds and a repeated slot's weight gets no gradient."""
+    gen = torch.Generator().manual_seed(5)
+    bh, m, g, d, block, selected = 2, 22, 2, 8, 4, 4
+    q, k, v = random_qkv(bh, m, m, g, d, gen)
+    weights = torch.rand(bh, m, selected, dtype=torch.float64, generator=gen).add(0.5).requires_grad_()
+    indices, valid, counts = repeat_some_slots(*random_selection(bh, m, 0, block, selected, gen), gen)
+    assert (valid & ~counts).any(), "the case must repeat some blocks in valid slots"
+    leaves, w = ((q, k, v, weights), weights) if weighted else ((q, k, v), None)
+    as_set = values_and_grads(*naive(q, k, v, indices, counts, 0, block, weights=w), leaves)
+    for attend in (selected_attention, naive):
+        ours = values_and_grads(*attend(q, k, v, indices, valid, 0, block, weights=w), leaves)
+        assert_all_close(ours, as_set, 1e-10, f" from the repeats unused ({attend.__module__})")
+    if weighted:
+        assert (ours[-1][valid & ~counts] == 0).all()
+
+
+def test_distinct_slots_keeps_the_first_valid_slot_of_each_block():
+    """The de-duplication every path runs, against a plain loop, with as many slots as gather
+    attention's rows hold and unused slots that name the same blocks as used ones."""
+    from kernels.selected_attention.reference import distinct_slots
+
+    gen = torch.Generator().manual_seed(8)
+    indices = torch.randint(0, 12, (3, 5, 40), generator=gen)
+    valid = torch.rand(3, 5, 40, generator=gen) < 0.7
+    indices, valid, counts = repeat_some_slots(indices, valid, gen)
+    assert (valid & ~counts).any() and (~valid).any()
+    assert torch.equal(distinct_slots(indices, valid), counts)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kernels.selected_attention import selected_attention
-from kernels.selected_attention.naive import random_selection
+from tests.helpers.chosen_keys import random_selection, repeat_some_slots
+from tests.helpers.kernel_checks import assert_all_close, values_and_grads
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,13 +43,8 @@ def test_kernel_matches_the_reference(bh, m, n, g, d, block, selected, dtype):
     for kernel, tensors in (("torch", (q.float(), k.float(), v.float())), ("triton", (q, k, v))):
         leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
         out, lse = selected_attention(*leaves, indices.to(DEVICE), valid.to(DEVICE), n - m, block, kernel)
-        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, out.dtype)
-        grad_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, lse.dtype)
-        grads = torch.autograd.grad((out * grad_out).float().sum() + (lse * grad_lse).float().sum(), leaves)
-        results.append([out, lse, *grads])
-    tol = TOLERANCE[dtype]
-    for name, ref, ours in zip(("out", "lse", "dq", "dk", "dv"), *results):
-        torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), rtol=tol, atol=tol, msg=f"{name} differs")
+        results.append(values_and_grads(out, lse, leaves))
+    assert_all_close(results[1], results[0], TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("d,block", [(32, 4), (32, 16)], ids=["sums", "tiles"])
@@ -119,3 +115,30 @@ def test_the_custom_operator_passes_torch_library_checks():
     indices, valid = (t.to(DEVICE) for t in random_selection(bh, m, 0, block, selected, gen))
     torch.library.opcheck(selected_forward, (q, k, v, indices, valid, 0, block, None),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_a_block_named_in_several_valid_slots_counts_once(weighted):
+    """The chosen blocks are a set: the kernel gives the naive definition's values and gradients, and
+    to the bit what it gives with the repeated slots marked unused (a repeated slot's weight: no
+    gradient)."""
+    from kernels.selected_attention.naive import selected_attention as naive
+
+    gen = torch.Generator().manual_seed(6)
+    bh, m, g, d, block, selected = 1, 14, 2, 16, 4, 3
+    tensors = (torch.randn(bh, m, g, d, generator=gen), torch.randn(bh, m, d, generator=gen),
+               torch.randn(bh, m, d, generator=gen), torch.rand(bh, m, selected, generator=gen) + 0.5)
+    indices, valid, counts = repeat_some_slots(*random_selection(bh, m, 0, block, selected, gen), gen)
+    assert (valid & ~counts).any(), "the case must repeat some blocks in valid slots"
+    results = []
+    for attend, slots_valid in (("triton", valid), ("triton", counts), (naive, valid)):
+        leaves = [t.to(DEVICE).requires_grad_() for t in (tensors if weighted else tensors[:3])]
+        args = (indices.to(DEVICE), slots_valid.to(DEVICE), 0, block)
+        w = leaves[3] if weighted else None
+        out, lse = (selected_attention(*leaves[:3], *args, attend, w) if attend == "triton"
+                    else attend(*leaves[:3], *args, w))
+        results.append(values_and_grads(out, lse, leaves))
+    assert_all_close(results[0], results[1], 0, " from the repeats unused")
+    assert_all_close(results[0], results[2], 2e-5, " from the definition")
+    if weighted:
+        assert (results[0][-1].cpu()[valid & ~counts] == 0).all()
