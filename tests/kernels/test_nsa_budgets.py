@@ -30,7 +30,7 @@ FORWARD_LAUNCHES = 24  # per no-grad forward: 24 and 21, the same kernels as tra
 SYNCS = 0  # host waits for a device value: each stalls the GPU's queue and breaks CUDA graphs
 GLUE_OVER_IO = 8.5  # glue bytes (elementwise, copies, reductions) / bytes of q, every branch's k and v, out:
 # 8.41 at group 2 (x's gradient summed over the projections and the six key/value gradients stacked into
-# to_kv's layout are half of it; their size goes with dim, not with q), under 7 at group 16. Re-derived at
+# to_kv's layout are half of it; their size goes with dim, not with q), 2.7 at group 16. Re-derived at
 # 256 tokens (7.0 at 512, where group 2 measured 6.61): the compressor's glue is that of its 127 blocks
 # and its weights' gradients (gelu, slice_backward, select_backward: 1.2 MiB in fp32 at either length),
 # which now stands against half the tokens' q, k, v and out
@@ -86,10 +86,10 @@ def over_budget(counts: OpCounts, phase: str, setting: dict) -> list[str]:
     return problems
 
 
-# each (setting, phase) counted once, in one test that checks every budget: the two costly ones
-# (count16, whose 64 programs a launch walk the chosen blocks a position at a time in the
-# interpreter) first, so that `pytest -n 2` gives them a worker each
-CASES = [("count16", "fwd+bwd"), ("count16", "no-grad fwd"), ("count", "fwd+bwd"), ("count", "no-grad fwd")]
+# each (setting, phase) counted once, in one test that checks every budget. count16's are the costly
+# ones (its 64 programs a launch walk the chosen blocks a position at a time in the interpreter):
+# xdist's load scheduling hands each of 2 workers two consecutive tests, so each gets one of them
+CASES = [("count16", "fwd+bwd"), ("count", "no-grad fwd"), ("count16", "no-grad fwd"), ("count", "fwd+bwd")]
 
 
 @pytest.mark.parametrize("name,phase", CASES, ids=[f"{name}-{phase}" for name, phase in CASES])
