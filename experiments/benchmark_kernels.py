@@ -8,14 +8,12 @@ it must move) against the time its kernels take, so the gap to the device's limi
     python -m experiments.benchmark_kernels --device cpu --setting tiny --lengths 256 --dtype fp32
     python -m experiments.benchmark_kernels --count           # what one layer launches (a CPU can count it)
 
-Settings: `paper` is the NSA paper's kernel setting (dim 1024; 64 query heads over 4 KV heads,
-dim_head 128; compressed blocks of 32 every 16; 16 selected blocks of 64; window 512); `small` the
-seed's shape (dim 512; 8 query heads over 4 KV heads, dim_head 64; the same NSA knobs); `tiny` a
-shape for checking the script itself on a CPU; `count` and `count16` the shapes --count runs
-(below). Batch 1, one layer in --dtype (parameters and
-activations). Timings are medians of CUDA events after warm-up (a host clock on the CPU); every
-ratio is against the dense layer of the same run. The device's ceilings are measured first: a
-large matrix product and a large copy.
+Settings (experiments/bench/layers.py): `paper` is the NSA paper's kernel setting, `small` the
+seed's shape, `tiny` a shape for checking the script itself on a CPU, `count` and `count16` the
+shapes --count runs (the seed's GQA group of 2, the paper's of 16). Batch 1, one layer in --dtype
+(parameters and activations). Timings are medians of CUDA events after warm-up (a host clock on
+the CPU); every ratio is against the dense layer of the same run. The device's ceilings are
+measured first: a large matrix product and a large copy.
 
 Reference rows (CUDA only; never imported elsewhere; `pip install -e .[reference]`):
 `ref:fla` is fla-core's `parallel_nsa` (compressed and selected branches, Triton; it needs a GQA
@@ -25,24 +23,25 @@ since its own window calls flash-attn; `ref:nsa-seed` is native-sparse-attention
 
 Branches (kernels alone, on random inputs of the layer's shapes; CUDA, or the CPU under
 TRITON_INTERPRET=1): compressed = attention over the compressed blocks + block selection,
-selected = the freely chosen blocks (the forced ones, tiled attention in torch, not included),
-window = the sliding window. FLOPs count 2 per multiply-add, the backward 2.5x the forward (q.k
-recomputed, dp, dq, dk, dv); bytes are each input read once and each output written once.
+selected = the forced blocks (own, initial, previous) and the freely chosen ones, window = the
+sliding window (experiments/bench/roofline.py, branch_work). FLOPs count 2 per multiply-add, the
+backward 2.5x the forward (q.k recomputed, dp, dq, dk, dv); bytes are each input read once and
+each output written once.
 
 --count runs one layer forward + backward, then its no-grad forward, on the CUDA code path (NSA
 with kernel=triton; on a CPU the Triton kernels run in Triton's interpreter, TRITON_INTERPRET=1,
-set here) and prints what a GPU would be asked to do (experiments/runtime/op_counts.py): launches
-(aten ops and Triton kernels), host syncs, glue bytes (elementwise, copy and reduction traffic
-between kernels) against the bytes of q, k, v and the output, matrix-product bytes, the largest
-intermediate tensor against q, and each Triton launch's grid, tile and visited/needed (query, key)
-pairs as its launch site reports them (kernels/counters.py). Nothing is timed: the figures are the
-same on any machine, and tests/kernels/test_nsa_budgets.py holds NSA's to budgets. `count` has
-the seed's GQA group of 2, `count16` the paper's group of 16 and dim_head 128, at 512 tokens
-(Triton's interpreter takes minutes beyond): fine blocks of 64 as the paper's, 8 of them selected,
-compressed blocks of 8 every 4 and a window of 256, so that 512 tokens hold 127 compressed blocks
-(as 2,048 do at the paper's 32 every 16) and a window of four 64-key tiles: the ragged edges of
-the masks, which tiles cannot follow, then cost a well-tiled kernel under 1.3x the pairs it needs,
-as at the paper's lengths.
+set here) and prints what a GPU would be asked to do (experiments/bench/counts.py,
+experiments/runtime/op_counts.py), dense and NSA side by side: launches (aten ops and Triton
+kernels), host syncs, glue bytes (elementwise, copy and reduction traffic between kernels) against
+the bytes of q, k, v and the output, matrix-product bytes, the largest intermediate tensor against
+q, and each Triton launch's grid, tile and visited/needed (query, key) pairs as its launch site
+reports them (kernels/counters.py). Nothing is timed: the figures are the same on any machine, and
+tests/kernels/test_nsa_budgets.py holds NSA's to budgets. Then a roofline estimate of both layers
+on an H100 SXM (experiments/bench/roofline.py): per part and phase, the FLOPs at its bf16 tensor-core
+rate or the bytes at its HBM bandwidth, whichever is slower, summed, against the launches' host time;
+at the counted length and, with the `paper` setting, at the paper's lengths, where the launches and
+the glue come from the count. The `count` settings run at 256 tokens, with masks scaled so that the
+kernels meet the edges they meet at the paper's lengths (experiments/bench/layers.py says how).
 """
 
 import argparse
@@ -50,34 +49,24 @@ import inspect
 import sys
 import textwrap
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
-from experiments.runtime.op_counts import OpCounts, count_ops, interpret_triton_here
+from experiments.runtime.op_counts import interpret_triton_here
 
 if __name__ == "__main__" and "--count" in sys.argv[1:]:
     interpret_triton_here()  # before the imports below import triton (main() says so if it could not)
 
-import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
+from experiments.bench.counts import PHASES, count_phases, count_table, io_bytes, q_bytes  # noqa: E402
+from experiments.bench.layers import (COUNT_TOKENS, PAPER_TOKENS, SETTINGS, DenseLayer, describe,  # noqa: E402
+                                      nsa_layer)
+from experiments.bench.roofline import H100_SXM, branch_work, estimate_table, lengths_table  # noqa: E402
 from experiments.config.checks import flag_error  # noqa: E402
 from experiments.runtime.backends import DTYPES  # noqa: E402
 
-NSA_KNOBS = dict(compress_block_size=32, compress_stride=16, fine_block_size=64, num_fine_selected=16,
-                 sliding_window_size=512)
-SETTINGS = {
-    "paper": dict(dim=1024, heads=64, kv_heads=4, dim_head=128, **NSA_KNOBS),
-    "small": dict(dim=512, heads=8, kv_heads=4, dim_head=64, **NSA_KNOBS),
-    "tiny": dict(dim=64, heads=4, kv_heads=2, dim_head=16, compress_block_size=8, compress_stride=4,
-                 fine_block_size=16, num_fine_selected=4, sliding_window_size=32),
-}
-COUNT_KNOBS = dict(compress_block_size=8, compress_stride=4, fine_block_size=64, num_fine_selected=8,
-                   sliding_window_size=256)
-SETTINGS["count"] = dict(dim=128, heads=2, kv_heads=1, dim_head=64, **COUNT_KNOBS)
-SETTINGS["count16"] = dict(dim=256, heads=16, kv_heads=1, dim_head=128, **COUNT_KNOBS)
-COUNT_TOKENS = 512
 TIMED_TOKENS = [8192, 16384, 32768, 65536]
 
 
@@ -129,29 +118,6 @@ def ceilings(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
 
 
 # ---- layers -------------------------------------------------------------------------------------
-
-
-class DenseLayer(nn.Module):
-    """Dense causal GQA attention with its projections: x [batch, seq, dim] -> [batch, seq, dim]."""
-
-    def __init__(self, dim: int, heads: int, kv_heads: int, dim_head: int, **_):
-        super().__init__()
-        self.heads, self.kv_heads = heads, kv_heads
-        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
-        self.to_kv = nn.Linear(dim, 2 * kv_heads * dim_head, bias=False)
-        self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        q = self.to_q(x).unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        k, v = self.to_kv(x).unflatten(-1, (2, self.kv_heads, -1)).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.to_out(out.transpose(1, 2).flatten(2))
-
-
-def nsa_layer(kernel: str, setting: dict) -> nn.Module:
-    from models.attention.nsa import NativeSparseAttention
-
-    return NativeSparseAttention(**setting, kernel=kernel)
 
 
 class FlaLayer(nn.Module):
@@ -243,39 +209,6 @@ def layer_table(setting: dict, n: int, dtype: torch.dtype, device: torch.device,
 # ---- branches -----------------------------------------------------------------------------------
 
 
-def visible_pairs(n: int, window: int = 0, block: int = 0, stride: int = 1) -> int:
-    """(query, key) pairs of n queries from position 0 that a causal mask lets through: over the
-    window's last `window` keys, or (block > 0) over the compressed blocks of `block` every `stride`
-    complete by each query (query t sees (t - block + 1) // stride + 1 of them)."""
-    t = torch.arange(n, dtype=torch.int64)
-    if block:
-        return int(((t - block + 1).div(stride, rounding_mode="floor") + 1).clamp(min=0).sum())
-    return int(torch.minimum(t + 1, torch.tensor(window)).sum())
-
-
-def branch_work(setting: dict, n: int, element: int) -> dict[str, tuple[float, float]]:
-    """Per branch, forward (FLOPs, fewest bytes) of one layer at n tokens (batch 1), and their sum
-    under "fused": the kernels compute the branches together."""
-    h, kv, d = setting["heads"], setting["kv_heads"], setting["dim_head"]
-    block, stride, fine = setting["compress_block_size"], setting["compress_stride"], setting["fine_block_size"]
-    free = max(0, setting["num_fine_selected"] - 3)
-    blocks = max(0, (n - block) // stride + 1)
-    q_bytes, out_bytes = n * h * d * element, n * h * d * element
-    compressed_pairs = visible_pairs(n, block=block, stride=stride)
-    window_pairs = visible_pairs(n, window=setting["sliding_window_size"])
-    selected_pairs = n * free * fine  # whole blocks, as the kernel computes them
-    work = {
-        # attention (q.k, p.v) and selection (q.k again) over the compressed blocks; q, kc, vc read,
-        # the output, its log-sum-exp and the chosen blocks written
-        "compressed": (2 * compressed_pairs * h * d * 3, q_bytes + 2 * blocks * kv * d * element + out_bytes
-                       + n * h * 4 + n * kv * free * 12),
-        "selected": (4 * selected_pairs * h * d, q_bytes + 2 * n * kv * d * element + out_bytes + n * kv * free * 9),
-        "window": (4 * window_pairs * h * d, q_bytes + 2 * n * kv * d * element + out_bytes),
-    }
-    work["fused"] = (sum(f for f, _ in work.values()), sum(b for _, b in work.values()) - 2 * q_bytes)
-    return work
-
-
 def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     """(forward ms, forward + backward ms) of the three branches on the fused Triton kernels
     (kernels/nsa_attention) on random inputs: q, the compressed keys and the gates given, so that
@@ -314,66 +247,56 @@ def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device
 # ---- counts -------------------------------------------------------------------------------------
 
 
-def io_bytes(setting: dict, n: int, element: int, kv_pairs: int) -> int:
-    """Bytes of one layer's attention inputs and output at n tokens (batch 1): q, its `kv_pairs`
-    key/value pairs (NSA: one per branch) and the output."""
-    h, kv, d = setting["heads"], setting["kv_heads"], setting["dim_head"]
-    return n * element * (2 * h * d + 2 * kv_pairs * kv * d)
+LAYERS = (("dense", "dense (SDPA)", 1), ("nsa", "nsa kernel=triton", None))  # (key, title, key/value pairs)
 
 
-def count_layer(layer: nn.Module, n: int, dtype: torch.dtype, device: torch.device) -> dict[str, OpCounts]:
-    """What one layer launches at n tokens (batch 1): {"fwd+bwd": one forward and backward,
-    "no-grad fwd": a forward without gradient (validation, inference)}."""
-    return dict(count_phases(layer, n, dtype, device))
-
-
-def count_phases(layer: nn.Module, n: int, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, OpCounts]]:
-    """count_layer's phases one at a time, so that a phase that fails leaves the others counted. A
-    step as every step after the first: one uncounted forward first builds what a layer caches (the
-    rotary table, compiled kernels)."""
-    gen = torch.Generator().manual_seed(0)
-    dim = layer.to_q.in_features
-    x = torch.randn(1, n, dim, generator=gen).to(device, dtype).requires_grad_()
-    grad = torch.randn(1, n, dim, generator=gen).to(device, dtype)
-    with torch.no_grad():
-        layer(x)
-    with count_ops() as both:
-        layer(x).backward(grad)
-    yield "fwd+bwd", both
-    with torch.no_grad(), count_ops() as forward:
-        layer(x)
-    yield "no-grad fwd", forward
-
-
-def print_counts(setting: dict, n: int, dtype: torch.dtype, device: torch.device) -> None:
-    """The counts of the dense layer and of NSA on its Triton kernels at n tokens."""
+def print_counts(setting: dict, n: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The counts of the dense layer and of NSA on its Triton kernels at n tokens: one table side by
+    side, then each layer's and phase's ops and Triton launches. -> {(layer, phase): (launches,
+    glue / q, k, v, out)} for the roofline, for the phases counted."""
     from models.attention.nsa import BRANCHES
 
     element = torch.finfo(dtype).bits // 8
-    q_bytes = n * setting["heads"] * setting["dim_head"] * element
-    for name, build, kv_pairs in (("dense (SDPA)", lambda: DenseLayer(**setting), 1),
-                                  ("nsa kernel=triton", lambda: nsa_layer("triton", setting), BRANCHES)):
+    columns, details, counted = [], [], {}
+    for key, title, kv_pairs in LAYERS:
+        kv_pairs = kv_pairs or BRANCHES
+        io = io_bytes(setting, n, element, kv_pairs)
         torch.manual_seed(0)
+        build = (lambda: DenseLayer(**setting)) if key == "dense" else (lambda: nsa_layer("triton", setting))
         phases = count_phases(build().to(device, dtype), n, dtype, device)
-        for phase in ("fwd+bwd", "no-grad fwd"):
+        for phase in PHASES:  # in the order count_phases counts them
             try:
                 counts = next(phases)[1]
             except Exception as error:  # say why, go on with the next layer
-                print(f"{n:,} tokens, {name}, {phase} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                why = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                print(f"{n:,} tokens, {title}, {phase} failed: {why}")
+                columns.append((f"{key} {phase}", why, io, q_bytes(setting, n, element)))
                 break
-            print(f"{n:,} tokens, {name}, {phase}:")
-            print(textwrap.indent(counts.format(io_bytes(setting, n, element, kv_pairs), q_bytes), "  "))
+            columns.append((f"{key} {phase}", counts, io, q_bytes(setting, n, element)))
+            details.append(f"{n:,} tokens, {title}, {phase}:\n"
+                           + textwrap.indent(counts.format(io, q_bytes(setting, n, element)), "  "))
+            counted[(key, phase)] = (counts.launches, counts.glue_bytes / io)
+    columns.sort(key=lambda column: PHASES.index(column[0].split(" ", 1)[1]))  # dense beside NSA in each phase
+    print(f"{n:,} tokens, {str(dtype).removeprefix('torch.')}")
+    print(count_table(columns))
+    print("\n".join(details))
+    return counted
+
+
+def print_roofline(name: str, n: int, counted: dict, source: str) -> None:
+    """Both layers' roofline estimates on an H100 SXM: at n tokens at the counted setting, then at
+    the paper's lengths with the `paper` setting (the launches and the glue from `source`'s count)."""
+    device = H100_SXM
+    rates = (f"{device.flops / 1e12:,.0f} TFLOP/s bf16 dense, {device.bandwidth / 1e12:.2f} TB/s HBM, "
+             f"{device.launch_s * 1e6:.0f} us a launch")
+    print(f"\nroofline estimate, {device.name} ({rates}), bf16: {name} at {n:,} tokens")
+    print(estimate_table(SETTINGS[name], n, counted, device))
+    print(f"\nroofline estimate, {device.name}: the paper's setting at its lengths, launches and glue / "
+          f"q, k, v, out as {source} counted them")
+    print(lengths_table(SETTINGS["paper"], PAPER_TOKENS, counted, device))
 
 
 # ---- report -------------------------------------------------------------------------------------
-
-
-def describe(name: str, setting: dict) -> str:
-    return (f"{name}: dim {setting['dim']}, {setting['heads']} query heads over {setting['kv_heads']} KV heads, "
-            f"dim_head {setting['dim_head']}; compressed blocks of {setting['compress_block_size']} every "
-            f"{setting['compress_stride']}, {setting['num_fine_selected']} selected blocks of "
-            f"{setting['fine_block_size']}, window {setting['sliding_window_size']}")
-
 
 
 def print_layers(rows: list[tuple], n: int) -> None:
@@ -466,7 +389,9 @@ def count_main(args, parser) -> int:
     for name in (("count", "count16") if args.setting == "both" else (args.setting,)):
         print(f"\n{describe(name, SETTINGS[name])}")
         for n in args.lengths:
-            print_counts(SETTINGS[name], n, DTYPES[args.dtype], device)
+            counted = print_counts(SETTINGS[name], n, DTYPES[args.dtype], device)
+            if len(counted) == 2 * len(LAYERS):  # every phase counted: an estimate needs each
+                print_roofline(name, n, counted, f"{name} at {n:,} tokens")
     return 0
 
 

@@ -8,6 +8,9 @@ is invisible to it, so each of our autograd Functions reports the products it co
     with counting() as ledger:
         loss.backward()
     ledger.total
+
+attention_flops and linear_flops give the same counts from shapes alone, for estimates of work
+that is not run (experiments/bench/roofline.py).
 """
 
 from contextlib import contextmanager
@@ -36,9 +39,23 @@ def counting() -> Iterator[Ledger]:
         _ledger = outer
 
 
+FORWARD_PRODUCTS, BACKWARD_PRODUCTS = 2, 5  # attention's products of dim_head multiply-adds a (query, key) pair
+
+
+def attention_flops(pairs: float, heads: int, dim_head: int, backward: bool = False) -> float:
+    """FLOPs of attention over `pairs` (query, key) pairs per head: q.k and p.v forward; q.k
+    recomputed, dp, dv, dq and dk backward; 2 FLOPs a multiply-add."""
+    return 2 * (BACKWARD_PRODUCTS if backward else FORWARD_PRODUCTS) * float(pairs) * heads * dim_head
+
+
+def linear_flops(rows: int, fan_in: int, fan_out: int, backward: bool = False) -> float:
+    """FLOPs of a linear layer x [rows, fan_in] @ w [fan_in, fan_out]: one product forward, two
+    backward (the input's gradient and the weight's); 2 FLOPs a multiply-add."""
+    return 2 * (2 if backward else 1) * float(rows) * fan_in * fan_out
+
+
 def attention(pairs: Callable[[], float], heads: int, dim_head: int, backward: bool = False) -> None:
-    """Report attention over pairs() (query, key) pairs per head: 2 products of d multiply-adds a
-    pair forward, 5 backward. pairs is called only while counting (on a GPU it would wait for the
-    device)."""
+    """Report attention over pairs() (query, key) pairs per head (attention_flops). pairs is called
+    only while counting (on a GPU it would wait for the device)."""
     if _ledger is not None:
-        _ledger.total += (10 if backward else 4) * float(pairs()) * heads * dim_head
+        _ledger.total += attention_flops(pairs(), heads, dim_head, backward)
