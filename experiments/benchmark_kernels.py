@@ -213,7 +213,7 @@ def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device
     """(forward ms, forward + backward ms) of the three branches on the fused Triton kernels
     (kernels/nsa_attention) on random inputs: q, the compressed keys and the gates given, so that
     the compressor and the projections are not timed."""
-    from kernels.nsa_attention.fused import nsa_attention
+    from kernels.nsa_attention.fused import run as nsa_attention
     from kernels.nsa_attention.triton import Knobs
     from models.rotary import Rotary
 
@@ -228,7 +228,7 @@ def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device, dtype).requires_grad_()
 
-    inputs = (rand(1, n, h, d), rand(1, kv, blocks, d), rand(1, kv, blocks, d),
+    inputs = (rand(1, n, h, d), rand(1, blocks, 2 * kv, d),  # q, the compressed keys' and values' heads
               *(rand(1, n, kv, d) for _ in range(4)), rand(1, n, 3, h))
     phases = Rotary(d).phases(n, device)
 

@@ -84,7 +84,7 @@ def test_launches_report_their_tiles_and_the_pairs_they_need():
 def test_unsupported_shapes_fail_with_the_constraint():
     q = torch.randn(1, 4, 2, 48)  # dim_head 48 is not a power of two
     k = v = torch.randn(1, 4, 48)
-    with pytest.raises(ValueError, match="dim_head=48 must be a power of two.*model.kernel=torch"):
+    with pytest.raises(ValueError, match="kernel=triton needs dim_head=48 to be a power of two.*model.kernel=auto or torch"):
         gather_attention(q, k, v, torch.zeros(1, 4, 1, dtype=torch.long), 0, "triton")
 
 

@@ -68,7 +68,7 @@ def test_unsupported_shapes_fail_with_the_constraint():
     q = torch.randn(1, 4, 2, 48)  # dim_head 48 is not a power of two
     k = v = torch.randn(1, 4, 48)
     indices = torch.zeros(1, 4, 1, dtype=torch.long)
-    with pytest.raises(ValueError, match="dim_head=48 must be a power of two.*model.kernel=torch"):
+    with pytest.raises(ValueError, match="kernel=triton needs dim_head=48 to be a power of two.*model.kernel=auto or torch"):
         selected_attention(q, k, v, indices, torch.ones_like(indices, dtype=torch.bool), 0, 4, "triton")
 
 
