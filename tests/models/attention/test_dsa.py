@@ -181,7 +181,7 @@ def test_triton_kernels_train_as_the_torch_path():
     (dict(top_k=0), "top_k=0"), (dict(index_dim_head=7), "index_dim_head=7 must be even"),
     (dict(kl_weight=0.0), "set model.kl_weight > 0, or model.warmup_steps=0"),
     (dict(attn_dropout=0.1), "set model.attn_dropout=0"), (dict(kernel="cpu"), "DSA has no C kernel"),
-    (dict(kernel="triton", index_dim_head=24), "index_dim_head a power of two"),
+    (dict(kernel="triton", index_dim_head=24), "index_dim_head=24 to be a power of two"),
 ])
 def test_bad_knobs_are_refused_with_the_key(bad, message):
     with pytest.raises(ValueError, match=message):
