@@ -67,27 +67,27 @@ def _meta(mask: int, q: Tensor, kv_heads: int, knobs: Knobs) -> dict:
 
 
 def _selection_meta(q: Tensor, kv_heads: int, knobs: Knobs) -> dict:
-    """The selection pass's tiles: BFE fine blocks a step, BC compressed blocks (_select)."""
+    """The selection pass's tiles: FINE_STEP fine blocks a step, COMPRESSED_STEP compressed blocks (_select)."""
     group = q.shape[2] // kv_heads
     per_fine = knobs.fine // knobs.stride
     exact = knobs.fine % knobs.stride == 0 and knobs.block <= knobs.fine and not per_fine & (per_fine - 1)
     if exact:  # the compressed blocks that start in a step, each read once (a tile of them fills exactly)
-        bc = max(IMPORTANCE_TILE, triton.next_power_of_2(per_fine))
-        bfe = bc // per_fine
-        bf = triton.next_power_of_2(bfe + 1)  # and a column for the next step's first fine block
+        compressed_step = max(IMPORTANCE_TILE, triton.next_power_of_2(per_fine))
+        fine_step = compressed_step // per_fine
+        fine_step_pad = triton.next_power_of_2(fine_step + 1)  # and a column for the next step's first fine block
     else:  # those that overlap a step: a block across a step's edge is read by both steps
-        bc = IMPORTANCE_TILE
-        while (knobs.fine + knobs.block - 1) // knobs.stride + 2 > bc:
-            bc *= 2
-        bfe = 1
-        while ((bfe + 1) * knobs.fine + knobs.block - 1) // knobs.stride + 2 <= bc:
-            bfe += 1
-        bf = triton.next_power_of_2(bfe)
+        compressed_step = IMPORTANCE_TILE
+        while (knobs.fine + knobs.block - 1) // knobs.stride + 2 > compressed_step:
+            compressed_step *= 2
+        fine_step = 1
+        while ((fine_step + 1) * knobs.fine + knobs.block - 1) // knobs.stride + 2 <= compressed_step:
+            fine_step += 1
+        fine_step_pad = triton.next_power_of_2(fine_step)
     positions = BM // group
-    return dict(GP=max(16 if tiles_usable(q.dtype, 16) else 2, group), KB=max(16 if tiles_usable(q.dtype, 16) else 2,
-                                                                              knobs.fine),
-                KP=max(2, triton.next_power_of_2(knobs.free)), BF=bf, BFE=bfe, BC=bc, EXACT=exact,
-                DOT_IMPORTANCE=positions >= 16 and bf >= 16)
+    smallest = 16 if tiles_usable(q.dtype, 16) else 2  # a tile side tl.dot takes
+    return dict(GROUP_PAD=max(smallest, group), BLOCK_PAD=max(smallest, knobs.fine),
+                FREE_PAD=max(2, triton.next_power_of_2(knobs.free)), FINE_STEP_PAD=fine_step_pad, FINE_STEP=fine_step,
+                COMPRESSED_STEP=compressed_step, EXACT=exact, DOT_IMPORTANCE=positions >= 16 and fine_step_pad >= 16)
 
 
 class _Count:
@@ -172,7 +172,7 @@ def _pairs(which: int, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tens
     count = _Count(q)
     pairs_kernel[grid](q, k, v, lse, stats, acc, phases, ranked, order, count.tensor, *_strides(q), *_strides(k),
                        *_strides(acc), start, n, k.shape[1], num_fine, KVH=kv_heads, G=meta["G"], D=dim, BM=BM,
-                       KB=meta["BN"], FINE=knobs.fine, FREE=knobs.free, SCALE=meta["SCALE"], USE_DOT=meta["USE_DOT"],
+                       BLOCK_PAD=meta["BN"], FINE=knobs.fine, FREE=knobs.free, SCALE=meta["SCALE"], USE_DOT=meta["USE_DOT"],
                        COUNT=count.on, PASS=which, num_warps=meta["num_warps"])
     count.record(f"selected_pairs_{('lse', 'output')[which]}", grid, BM, meta["BN"],
                  lambda: meta["G"] * chosen_pairs(start, knobs, blocks))
@@ -214,8 +214,8 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
             backward_dq_kernel[grid](q, k, v, gates[:, :, mask], dout, saved[mask], lse[mask], delta[mask],
                                      dgates[:, :, mask], dq, dq_acc, phases, blocks, count.tensor, *_strides(q),
                                      *_key_strides(mask, k), *_strides(gates[:, :, mask]), *_strides(dout), 0, n, keys,
-                                     ACCUMULATE=mask != steps[0][0], COUNT=count.on, GP=selection["GP"],
-                                     KB=selection["KB"], FSA=fsa, **meta)
+                                     ACCUMULATE=mask != steps[0][0], COUNT=count.on, GROUP_PAD=selection["GROUP_PAD"],
+                                     BLOCK_PAD=selection["BLOCK_PAD"], FSA=fsa, **meta)
             count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"],
                          lambda: group * needed_pairs(mask, 0, n, keys, knobs, blocks, chosen=not fsa))
             continue

@@ -190,13 +190,13 @@ def _forward_run(q, t, m, l, acc, K, V, kbase, skt, PH, lo, hi, num_keys, COUNTE
 @triton.jit
 def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kbase, skt, BLOCKS, COUNTER,
             G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, L: tl.constexpr, S: tl.constexpr,
-            FINE: tl.constexpr, FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, KP: tl.constexpr,
-            BF: tl.constexpr, BFE: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr, SCALE: tl.constexpr,
+            FINE: tl.constexpr, FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, FREE_PAD: tl.constexpr,
+            FINE_STEP_PAD: tl.constexpr, FINE_STEP: tl.constexpr, COMPRESSED_STEP: tl.constexpr, EXACT: tl.constexpr, SCALE: tl.constexpr,
             USE_DOT: tl.constexpr, DOT_IMPORTANCE: tl.constexpr, COUNT: tl.constexpr):
     """Each of the tile's positions' FREE most important fine blocks besides the forced ones, into
-    BLOCKS. BFE fine blocks a step. EXACT (whole strides in a fine block, blocks no longer than a fine
-    block): the BC = BFE * FINE / S compressed blocks that start in the step, each read once, their
-    share of the next step's first fine block carried over; else the BC that overlap the step."""
+    BLOCKS. FINE_STEP fine blocks a step. EXACT (whole strides in a fine block, blocks no longer than a fine
+    block): the COMPRESSED_STEP = FINE_STEP * FINE / S compressed blocks that start in the step, each read once, their
+    share of the next step's first fine block carried over; else the COMPRESSED_STEP that overlap the step."""
     P: tl.constexpr = BM // G
     d = tl.arange(0, D)
     pos_i = pid_m * P + tl.arange(0, P)
@@ -204,14 +204,14 @@ def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kb
     own = pos // FINE
     seen = complete(t, L, S, num_blocks)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-    slot = tl.arange(0, KP)[None, :]
-    col = tl.arange(0, BF)[None, :]
-    c = tl.arange(0, BC)
-    top_s = tl.full([P, KP], float("-inf"), tl.float32)
-    top_i = tl.zeros([P, KP], tl.int32)
+    slot = tl.arange(0, FREE_PAD)[None, :]
+    col = tl.arange(0, FINE_STEP_PAD)[None, :]
+    c = tl.arange(0, COMPRESSED_STEP)
+    top_s = tl.full([P, FREE_PAD], float("-inf"), tl.float32)
+    top_i = tl.zeros([P, FREE_PAD], tl.int32)
     carry = tl.zeros([P], tl.float32)  # EXACT: the last step's blocks' share of this step's first fine block
     t_last = start + tl.minimum(pid_m * P + P, seq_q) - 1
-    for f0 in range(0, t_last // FINE + 1, BFE):
+    for f0 in range(0, t_last // FINE + 1, FINE_STEP):
         if EXACT:
             cols = f0 * (FINE // S) + c
         else:
@@ -219,18 +219,19 @@ def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kb
             cols = tl.where(reach >= 0, reach // S + 1, 0) + c
         k = tl.load(KC + kbase + cols[:, None] * skt + d[None, :], mask=cols[:, None] < num_blocks, other=0.0)
         s = qk(q, k, USE_DOT) * (SCALE * LOG2E)
-        p = tl.where(cols[None, :] < seen[:, None], tl.exp2(s - lse2[:, None]), 0.0)  # [BM, BC]
-        per_position = tl.sum(tl.reshape(p, [P, G, BC]), axis=1)  # the group's sum [P, BC]
+        p = tl.where(cols[None, :] < seen[:, None], tl.exp2(s - lse2[:, None]), 0.0)  # [BM, COMPRESSED_STEP]
+        per_position = tl.sum(tl.reshape(p, [P, G, COMPRESSED_STEP]), axis=1)  # the group's sum [P, COMPRESSED_STEP]
         fine = f0 + col
         lo = tl.maximum(cols[:, None] * S, fine * FINE)
         hi = tl.minimum(cols[:, None] * S + L, fine * FINE + FINE)
-        overlap = tl.maximum(hi - lo, 0).to(tl.float32) / L  # token overlap [BC, BF] as a share of the block
-        importance = pv(per_position, overlap, DOT_IMPORTANCE)  # [P, BF]
+        # token overlap [COMPRESSED_STEP, FINE_STEP_PAD] as a share of the block
+        overlap = tl.maximum(hi - lo, 0).to(tl.float32) / L
+        importance = pv(per_position, overlap, DOT_IMPORTANCE)  # [P, FINE_STEP_PAD]
         if EXACT:
-            spill = tl.sum(tl.where(col == BFE, importance, 0.0), 1)
+            spill = tl.sum(tl.where(col == FINE_STEP, importance, 0.0), 1)
             importance = importance + tl.where(col == 0, carry[:, None], 0.0)
             carry = spill
-        taken = (fine * FINE > pos[:, None]) | (fine == own[:, None]) | (col >= BFE)
+        taken = (fine * FINE > pos[:, None]) | (fine == own[:, None]) | (col >= FINE_STEP)
         if FORCED_BLOCKS >= 2:
             taken = taken | (fine == 0)
         if FORCED_BLOCKS >= 3:
@@ -238,8 +239,8 @@ def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kb
         importance = tl.where(taken, float("-inf"), importance)
         # merge into the running top-k: its FREE largest, ties to the earlier block (the running
         # top-k holds only earlier blocks, and argmax takes the leftmost maximum)
-        merged_s = tl.full([P, KP], float("-inf"), tl.float32)
-        merged_i = tl.zeros([P, KP], tl.int32)
+        merged_s = tl.full([P, FREE_PAD], float("-inf"), tl.float32)
+        merged_i = tl.zeros([P, FREE_PAD], tl.int32)
         for k_ in tl.static_range(FREE):
             best_top, best_new = tl.max(top_s, 1), tl.max(importance, 1)
             at_top, at_new = tl.argmax(top_s, 1), tl.argmax(importance, 1)
@@ -251,7 +252,7 @@ def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kb
             importance = tl.where((col == at_new[:, None]) & ~from_top[:, None], float("-inf"), importance)
         top_s, top_i = merged_s, merged_i
         if COUNT:
-            tl.atomic_add(COUNTER, BM * BC)
+            tl.atomic_add(COUNTER, BM * COMPRESSED_STEP)
     at = (pid_bh * seq_q + pos_i[:, None]) * FREE + slot
     tl.store(BLOCKS + at, tl.where(top_s == float("-inf"), num_fine, top_i), mask=(pos_i[:, None] < seq_q) & (slot < FREE))
 
@@ -259,7 +260,7 @@ def _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_blocks, num_fine, KC, kb
 @triton.jit
 def _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh, skt,
                  kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys,
-                 G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, GP: tl.constexpr, KB: tl.constexpr,
+                 G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr,
                  FINE: tl.constexpr, FREE: tl.constexpr, SCALE: tl.constexpr, USE_DOT: tl.constexpr,
                  ACCUMULATE: tl.constexpr, COUNT: tl.constexpr):
     """The paper's order: each position of the tile, its group's heads together, over its freely
@@ -267,9 +268,9 @@ def _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_
     its gated output."""
     P: tl.constexpr = BM // G
     d = tl.arange(0, D)
-    g = tl.arange(0, GP)
+    g = tl.arange(0, GROUP_PAD)
     g_ok = g < G
-    j = tl.arange(0, KB)
+    j = tl.arange(0, BLOCK_PAD)
     for p in range(0, P):
         i = pid_m * P + p
         if i < seq_q:
@@ -278,7 +279,7 @@ def _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_
             at = b * sob + i * sot + (h * G + g)[:, None] * soh + d[None, :]
             pos = t + g * 0
             q = tl.load(Q + b * sqb + i * sqt + (h * G + g)[:, None] * sqh + d[None, :], mask=ok, other=0.0)
-            q = _rotate(q.to(tl.float32), PH, pos, g_ok, GP, D, False).to(K.dtype.element_ty)
+            q = _rotate(q.to(tl.float32), PH, pos, g_ok, GROUP_PAD, D, False).to(K.dtype.element_ty)
             lse_at = (pid_bh * seq_q + i) * G + g
             lse = tl.load(LSE + lse_at, mask=g_ok, other=float("-inf"))
             has = lse > float("-inf")
@@ -290,11 +291,11 @@ def _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_
                 cols = block * FINE + j
                 key_ok = (j < FINE) & (cols <= t) & (cols < num_keys)  # all False for an unused slot
                 if block * FINE <= t:
-                    k, v = _keys(K, V, kbase, skt, cols, key_ok, PH, d, KB, D, True)
+                    k, v = _keys(K, V, kbase, skt, cols, key_ok, PH, d, BLOCK_PAD, D, True)
                     s = tl.where(key_ok[None, :], qk(q, k, USE_DOT) * (SCALE * LOG2E), float("-inf"))
                     m, l, acc = _step(m, l, acc, s, v, USE_DOT)
                     if COUNT:
-                        tl.atomic_add(COUNTER, GP * KB)
+                        tl.atomic_add(COUNTER, GROUP_PAD * BLOCK_PAD)
             o, lse = _finish(m, l, acc)
             tl.store(SAVED + at, o.to(SAVED.dtype.element_ty), mask=ok)
             tl.store(LSE + lse_at, lse, mask=g_ok)
@@ -326,9 +327,9 @@ def forward_kernel(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, STATS, ACC, GATE_
                    MASK: tl.constexpr, L: tl.constexpr, S: tl.constexpr, FINE: tl.constexpr,
                    FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, W: tl.constexpr, SCALE: tl.constexpr,
                    ROTARY: tl.constexpr, ACCUMULATE: tl.constexpr, SAVE: tl.constexpr, USE_DOT: tl.constexpr,
-                   COUNT: tl.constexpr, GP: tl.constexpr, KB: tl.constexpr, KP: tl.constexpr, BF: tl.constexpr,
-                   BFE: tl.constexpr, BC: tl.constexpr, EXACT: tl.constexpr, DOT_IMPORTANCE: tl.constexpr,
-                   FSA: tl.constexpr,
+                   COUNT: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, FREE_PAD: tl.constexpr,
+                   FINE_STEP_PAD: tl.constexpr, FINE_STEP: tl.constexpr, COMPRESSED_STEP: tl.constexpr, EXACT: tl.constexpr,
+                   DOT_IMPORTANCE: tl.constexpr, FSA: tl.constexpr,
                    FREE_P: tl.constexpr):
     """One branch's attention for a tile of BM rows, gated into OUT (K and V share their strides;
     OUT, SAVED, ACC, SAVED_S share (sob, sot, soh)). With FSA (a group under 16): the selected
@@ -368,8 +369,8 @@ def forward_kernel(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, STATS, ACC, GATE_
         tl.store(LSE + lse_at, lse, mask=row_ok)
         tl.debug_barrier()
         _free_blocks(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh, skt,
-                     kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G, D, BM, GP, KB, FINE, FREE, SCALE,
-                     USE_DOT, ACCUMULATE, COUNT)
+                     kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G, D, BM, GROUP_PAD, BLOCK_PAD, FINE, FREE,
+                     SCALE, USE_DOT, ACCUMULATE, COUNT)
     else:
         o, lse = _finish(m, l, acc)
         if SAVE:
@@ -384,8 +385,8 @@ def forward_kernel(Q, K, V, GATE, OUT, SAVED, LSE, PH, BLOCKS, STATS, ACC, GATE_
         _gated_store(OUT, at, o, tl.full([BM], 1.0, tl.float32), ok, ACCUMULATE)
     if MASK == 0 and FREE > 0:
         _select(q, t, lse, pid_m, pid_bh, start, seq_q, num_keys, num_fine, K, kbase, skt, BLOCKS, COUNTER, G, D, BM,
-                L, S, FINE, FORCED_BLOCKS, FREE, KP, BF, BFE, BC, EXACT, SCALE, USE_DOT, DOT_IMPORTANCE,
-                COUNT)
+                L, S, FINE, FORCED_BLOCKS, FREE, FREE_PAD, FINE_STEP_PAD, FINE_STEP, COMPRESSED_STEP, EXACT, SCALE, USE_DOT,
+                DOT_IMPORTANCE, COUNT)
 
 
 @triton.jit
@@ -421,7 +422,7 @@ def _pair_rows(ORDER, pair, ok, pid_bh, seq_q, FREE: tl.constexpr):
 @triton.jit
 def pairs_kernel(Q, K, V, LSE, STATS, ACC, PH, SORTED, ORDER, COUNTER, sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
                  start, seq_q, num_keys, num_fine, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                 BM: tl.constexpr, KB: tl.constexpr, FINE: tl.constexpr, FREE: tl.constexpr, SCALE: tl.constexpr,
+                 BM: tl.constexpr, BLOCK_PAD: tl.constexpr, FINE: tl.constexpr, FREE: tl.constexpr, SCALE: tl.constexpr,
                  USE_DOT: tl.constexpr, COUNT: tl.constexpr, PASS: tl.constexpr):
     """Flash Sparse Attention's order for a group under 16: one program per fine block gathers the
     (query, slot) pairs that chose it, BM // G pairs x G heads a tile, against the block loaded
@@ -433,10 +434,10 @@ def pairs_kernel(Q, K, V, LSE, STATS, ACC, PH, SORTED, ORDER, COUNTER, sqb, sqt,
     r = tl.arange(0, BM)
     g = r % G
     d = tl.arange(0, D)
-    j = tl.arange(0, KB)
+    j = tl.arange(0, BLOCK_PAD)
     cols = pid_n * FINE + j
     col_ok = (j < FINE) & (cols < num_keys)
-    k, v = _keys(K, V, b * skb + h * skh, skt, cols, col_ok, PH, d, KB, D, True)
+    k, v = _keys(K, V, b * skb + h * skh, skt, cols, col_ok, PH, d, BLOCK_PAD, D, True)
     first, end = _pairs_of(SORTED, pid_bh, seq_q, pid_n, FREE)
     for p0 in range(first, end, BM // G):
         pair = p0 + r // G
@@ -460,7 +461,7 @@ def pairs_kernel(Q, K, V, LSE, STATS, ACC, PH, SORTED, ORDER, COUNTER, sqb, sqt,
             at = b * sob + i[:, None] * sot + (h * G + g)[:, None] * soh + d[None, :]
             tl.atomic_add(ACC + at, pv(p, v, USE_DOT), mask=ok[:, None])
         if COUNT:
-            tl.atomic_add(COUNTER, BM * KB)
+            tl.atomic_add(COUNTER, BM * BLOCK_PAD)
 
 
 # ---- backward ---------------------------------------------------------------------------------------
@@ -507,16 +508,16 @@ def _gradient_rows(GATE, DOUT, SAVED, LSE, DELTA, DGATE, at, gate_at, lse_at, ok
 @triton.jit
 def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh,
                     skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G: tl.constexpr, D: tl.constexpr,
-                    BM: tl.constexpr, GP: tl.constexpr, KB: tl.constexpr, FINE: tl.constexpr, FREE: tl.constexpr,
+                    BM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, FINE: tl.constexpr, FREE: tl.constexpr,
                     SCALE: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr):
     """Each position of the tile adds its freely chosen blocks to the dq the tile left in DQ
     (rotated frame, unscaled), then writes its dq. Q has its strides (sqb, sqt, sqh); DOUT and DQ
     share theirs (sob, sot, soh)."""
     P: tl.constexpr = BM // G
     d = tl.arange(0, D)
-    g = tl.arange(0, GP)
+    g = tl.arange(0, GROUP_PAD)
     g_ok = g < G
-    j = tl.arange(0, KB)
+    j = tl.arange(0, BLOCK_PAD)
     for p in range(0, P):
         i = pid_m * P + p
         if i < seq_q:
@@ -525,7 +526,7 @@ def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b,
             ok = g_ok[:, None]
             pos = t + g * 0
             q_at = b * sqb + i * sqt + (h * G + g)[:, None] * sqh + d[None, :]
-            q = _rotate(tl.load(Q + q_at, mask=ok, other=0.0).to(tl.float32), PH, pos, g_ok, GP, D, False)
+            q = _rotate(tl.load(Q + q_at, mask=ok, other=0.0).to(tl.float32), PH, pos, g_ok, GROUP_PAD, D, False)
             q = q.to(K.dtype.element_ty)
             sigma = _sigmoid(GATE, b * sgb + i * sgt + (h * G + g) * sgh, g_ok)
             do = (tl.load(DOUT + at, mask=ok, other=0.0).to(tl.float32) * sigma[:, None]).to(K.dtype.element_ty)
@@ -539,14 +540,14 @@ def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b,
                 cols = block * FINE + j
                 key_ok = (j < FINE) & (cols <= t) & (cols < num_keys)
                 if block * FINE <= t:
-                    k, v = _keys(K, V, kbase, skt, cols, key_ok, PH, d, KB, D, True)
+                    k, v = _keys(K, V, kbase, skt, cols, key_ok, PH, d, BLOCK_PAD, D, True)
                     visible = key_ok[None, :] & g_ok[:, None]
                     p_ = tl.where(visible, tl.exp2(qk(q, k, USE_DOT) * (SCALE * LOG2E) - lse2[:, None]), 0.0)
                     ds = p_ * (qk(do, v, USE_DOT) - delta[:, None])
                     dq += pv(ds, k, USE_DOT)
                     if COUNT:
-                        tl.atomic_add(COUNTER, GP * KB)
-            dq = _rotate(dq * SCALE, PH, pos, g_ok, GP, D, True)
+                        tl.atomic_add(COUNTER, GROUP_PAD * BLOCK_PAD)
+            dq = _rotate(dq * SCALE, PH, pos, g_ok, GROUP_PAD, D, True)
             tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=ok)
 
 
@@ -557,7 +558,7 @@ def backward_dq_kernel(Q, K, V, GATE, DOUT, SAVED, LSE, DELTA, DGATE, DQ, DQ_ACC
                        MASK: tl.constexpr, L: tl.constexpr, S: tl.constexpr, FINE: tl.constexpr,
                        FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, W: tl.constexpr, SCALE: tl.constexpr,
                        ROTARY: tl.constexpr, ACCUMULATE: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr,
-                       GP: tl.constexpr, KB: tl.constexpr, FSA: tl.constexpr):
+                       GROUP_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, FSA: tl.constexpr):
     """One branch's dq for a tile of rows (added to DQ when ACCUMULATE), its gate's gradient and
     its delta = gate * rowsum(dout * O). DOUT, SAVED, DQ and DQ_ACC share the strides (sob, sot,
     soh). With FSA (a group under 16) the selected branch leaves its forced blocks' dq in DQ_ACC
@@ -592,8 +593,8 @@ def backward_dq_kernel(Q, K, V, GATE, DOUT, SAVED, LSE, DELTA, DGATE, DQ, DQ_ACC
         tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
         tl.debug_barrier()
         _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh,
-                        skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G, D, BM, GP, KB, FINE, FREE, SCALE, USE_DOT,
-                        COUNT)
+                        skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G, D, BM, GROUP_PAD, BLOCK_PAD,
+                        FINE, FREE, SCALE, USE_DOT, COUNT)
     else:
         if MASK == 2 and FSA:  # the selected branch's dq, complete in DQ_ACC
             dq += tl.load(DQ_ACC + at, mask=row_ok[:, None], other=0.0)
