@@ -43,11 +43,13 @@ if __name__ == "__main__":
     from pathlib import Path
 
     from experiments.config.checks import composition_error
+    from experiments.config.resolvers import export_swept_keys
     from experiments.runtime.launch import output_dir_error, prepare_argv
 
     # a launcher's --local_rank, and one run directory for every rank, before Hydra parses argv
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]
     overrides = sys.argv[1:]
+    export_swept_keys(overrides)  # a sweep job's directory names what is swept, wherever it runs
     if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
         conf = str(Path(__file__).resolve().parent / "conf")
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
