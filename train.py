@@ -50,8 +50,12 @@ if __name__ == "__main__":
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]
     overrides = sys.argv[1:]
     export_swept_keys(overrides)  # a sweep job's directory names what is swept, wherever it runs
+    conf = str(Path(__file__).resolve().parent / "conf")
     if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
-        conf = str(Path(__file__).resolve().parent / "conf")
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
+            sys.exit(f"error: {error}")
+    # a sweep: its launcher's options (a misspelt key, a wrong type) as one line, before any job starts
+    elif launcher := [a for a in overrides if a.startswith(("hydra/launcher=", "hydra.launcher.")) and "," not in a]:
+        if error := composition_error(conf, launcher):
             sys.exit(f"error: {error}")
     main()

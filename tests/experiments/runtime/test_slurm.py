@@ -85,6 +85,19 @@ def test_a_slurm_sweep_without_sbatch_is_one_line(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.parametrize("option,message", [
+    ("hydra.launcher.cpus_per_task=abc", "error: Error merging override hydra.launcher.cpus_per_task=abc; Value 'abc' "
+     "of type 'str' could not be converted to Integer"),
+    ("hydra.launcher.partiton=gpu", "error: Could not override 'hydra.launcher.partiton'. Key 'partiton' not in "
+     "'SlurmQueueConf'"),
+], ids=["wrong-type", "misspelt"])
+def test_a_bad_launcher_option_is_one_line(tmp_path, option, message):
+    """Refused while composing, before the cluster is asked: no cluster needed."""
+    line = refused(sweep(None, tmp_path / "sweep", *LM, option, "trainer.max_steps=1", timeout=60))
+    assert line.startswith(message), line
+    assert not (tmp_path / "sweep").exists()
+
+
 # ---- on the test cluster -------------------------------------------------------------------------
 
 def test_an_unknown_partition_is_refused_naming_the_key(slurm_cluster, tmp_path):
