@@ -121,22 +121,27 @@ def test_a_request_no_node_can_hold_is_refused_with_the_schedulers_reason(slurm_
 
 @pytest.mark.slow
 def test_srun_two_tasks_train_one_run_as_torchrun_does(slurm_cluster, tmp_path):
-    """`srun --ntasks=2 python train.py backend=ddp`, no torchrun: one run directory, rank 1's log
-    beside rank 0's, the losses of torchrun --nproc_per_node=2 of the same config."""
-    cmd = ["srun", "--ntasks=2", "--cpus-per-task=1", sys.executable, "train.py", *LM, *STEPS, "backend=ddp",
-           f"hydra.run.dir={tmp_path / 'srun'}"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                            env={**run_env(), **slurm_cluster.env})
-    assert result.returncode == 0, result.stderr[-3000:]
+    """`srun --ntasks=2 python train.py backend=ddp` (and backend=deepspeed), no torchrun: one run
+    directory, rank 1's log beside rank 0's, the losses of torchrun --nproc_per_node=2 of the same
+    config (ddp; DeepSpeed's ZeRO 0 averages the same gradients)."""
+    for backend in ("ddp", "deepspeed"):
+        cmd = ["srun", "--ntasks=2", "--cpus-per-task=1", sys.executable, "train.py", *LM, *STEPS, f"backend={backend}",
+               f"hydra.run.dir={tmp_path / backend}"]
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                                env={**run_env(), **slurm_cluster.env})
+        assert result.returncode == 0, result.stderr[-3000:]
     assert torchrun(tmp_path, *STEPS, "backend=ddp", "hydra.run.dir=torchrun").returncode == 0
-    run = tmp_path / "srun"
-    assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in (tmp_path / "torchrun").iterdir())
-    assert (run / "train.log").is_file() and (run / "train.rank1.log").is_file()
-    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]  # once each, not twice
-    assert losses(run) == losses(tmp_path / "torchrun")
-    summary = read_summary(run)
-    assert summary["status"] == "completed" and summary["step"] == 4
-    assert summary["params"] == read_summary(tmp_path / "torchrun")["params"]
+    for backend in ("ddp", "deepspeed"):
+        run = tmp_path / backend
+        assert (run / "train.log").is_file() and (run / "train.rank1.log").is_file()
+        assert (run / ".hydra" / "config.yaml").is_file()
+        assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]  # once each, not twice
+        assert losses(run) == pytest.approx(losses(tmp_path / "torchrun"), rel=1e-6)
+        summary = read_summary(run)
+        assert summary["status"] == "completed" and summary["step"] == 4
+    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == sorted(p.name for p in (tmp_path / "torchrun").iterdir())
+    assert losses(tmp_path / "ddp") == losses(tmp_path / "torchrun")  # to the bit
+    assert (tmp_path / "deepspeed" / "checkpoints" / "step_0000004" / "model").is_dir()  # an engine's checkpoint
 
 
 def _review(capsys, sweep_dir: Path) -> list[dict]:
