@@ -24,7 +24,9 @@ def main(cfg: DictConfig) -> float | None:
     from experiments.runtime.run import Run
     from experiments.tasks.loop import Loop
 
-    with Run.from_hydra(is_main=launch.rank() == 0) as run:
+    run = Run.from_hydra(is_main=launch.rank() == 0)
+    launch.log_to_rank_file(run.dir)  # rank k > 0 of a submitit job with tasks_per_node > 1
+    with run:
         check_config(cfg)
         backend = build(cfg.backend, "backend")
         backend.setup(cfg.trainer)  # device, seeds, threads: before anything is built

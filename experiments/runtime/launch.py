@@ -111,6 +111,27 @@ def prepare_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+def log_to_rank_file(run_dir) -> None:
+    """A rank other than 0 logs to train.rank<k>.log, not rank 0's train.log. `prepare_argv` sees to it
+    for torchrun and srun; a launcher that runs the task in its own process (submitit with
+    tasks_per_node > 1) has set Hydra's train.log up for every rank, so it is swapped here."""
+    import logging
+    from pathlib import Path
+
+    if rank() == 0:
+        return
+    target = Path(run_dir) / f"train.rank{rank()}.log"
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) != target:
+            replacement = logging.FileHandler(target)
+            replacement.setFormatter(handler.formatter)
+            replacement.setLevel(handler.level)
+            root.removeHandler(handler)
+            handler.close()
+            root.addHandler(replacement)
+
+
 def output_dir_error(overrides: list[str]) -> Optional[str]:
     """Why the run directory an override names cannot be one (a file is in the way, no permission to
     create it), as one line; None when Hydra can create and write it."""

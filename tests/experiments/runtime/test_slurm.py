@@ -144,6 +144,22 @@ def test_srun_two_tasks_train_one_run_as_torchrun_does(slurm_cluster, tmp_path):
     assert (tmp_path / "deepspeed" / "checkpoints" / "step_0000004" / "model").is_dir()  # an engine's checkpoint
 
 
+@pytest.mark.slow
+def test_a_sweep_job_of_two_tasks_trains_as_two_ranks(slurm_cluster, tmp_path):
+    """hydra.launcher.tasks_per_node=2 backend=ddp: each job of the sweep is one run of two ranks
+    (rank 1 logging to train.rank1.log), which trains as one process of twice the batch."""
+    result = sweep(slurm_cluster, tmp_path / "sweep", *LM, *STEPS, "backend=ddp", "trainer.batch_size=2",
+                   "trainer.seed=0", "hydra.launcher.tasks_per_node=2", ONE_CPU)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train(tmp_path / "one", *STEPS, "trainer.batch_size=4")
+    job = tmp_path / "sweep" / "seed=0"
+    assert "step 4" in (job / "train.rank1.log").read_text()
+    assert (job / "train.log").read_text().count("parameters on cpu") == 1  # rank 0's lines only
+    assert [r["step"] for r in read_metrics(job) if "loss" in r] == [1, 2, 3, 4]
+    assert losses(job) == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    assert read_summary(job)["status"] == "completed"
+
+
 def _review(capsys, sweep_dir: Path) -> list[dict]:
     from experiments.review import main
 
