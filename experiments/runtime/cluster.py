@@ -5,9 +5,9 @@ submitit SLURM launcher (hydra/launcher=slurm), before the sweep directory is ma
 - refuses in one line where `sbatch` or `sinfo` is missing, or the controller cannot be reached;
 - refuses a partition the cluster does not have, naming hydra.launcher.partition (null takes the
   cluster's default partition);
-- drops the GPU options (gpus_per_node, gpus_per_task) where no node of the partition has a GPU, and
-  fits the default cpus_per_task and mem_gb (conf/hydra/launcher/slurm.yaml's, not values given on
-  the command line) to the partition's largest node, with one line saying so: the defaults ask for a
+- drops the default GPU options (gpus_per_node, gpus_per_task) where no node of the partition has a
+  GPU, and fits the default cpus_per_task and mem_gb to the partition's largest node (defaults:
+  conf/hydra/launcher/slurm.yaml's; values given on the command line are never changed), with one line saying so: the defaults ask for a
   GPU node, and a newcomer's first sweep on a small CPU cluster should run, not fail in sbatch;
 - asks the scheduler (`sbatch --test-only` on the batch script submitit would submit) whether it
   would accept the jobs, and refuses with the scheduler's own reason if not (more CPUs or memory
@@ -44,8 +44,11 @@ def _sinfo(*args: str) -> tuple[Optional[str], str]:
     """(output, "") or (None, why sinfo failed in one line)."""
     try:
         result = subprocess.run(["sinfo", "-h", *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"sinfo did not answer: {e}"
+    except subprocess.TimeoutExpired:
+        return None, ("sinfo did not answer in 30 s, so the SLURM cluster cannot be asked about the jobs: is its "
+                      "controller reachable from here (`scontrol ping`; SLURM_CONF names the cluster's slurm.conf)?")
+    except OSError as e:
+        return None, f"sinfo could not run: {e}"
     if result.returncode != 0:
         reason = (result.stderr.strip().splitlines() or ["exit status %d" % result.returncode])[-1]
         return None, f"sinfo failed, so the SLURM cluster cannot be asked about the jobs: {reason}"
@@ -97,13 +100,14 @@ def check_launcher(launcher: Any, given: frozenset = frozenset()) -> Optional[st
     if not found:
         return "sinfo lists no partition: the SLURM cluster has no nodes to run the sweep on"
     partition = launcher.get("partition")
-    if partition is not None and str(partition) not in found:
-        return (f"hydra.launcher.partition={partition}: the SLURM cluster has no such partition "
+    asked = str(partition).split(",") if partition is not None else []  # sbatch takes a list
+    if unknown := [p for p in asked if p not in found]:
+        return (f"hydra.launcher.partition={partition}: the SLURM cluster has no partition {', '.join(unknown)} "
                 f"(it has: {', '.join(found)}; null takes the default, {next(iter(found))})")
-    name = str(partition) if partition is not None else next(iter(found))
+    name = asked[0] if asked else next(iter(found))
     changes = {}
     if not has_gpus(found[name]):
-        changes.update({k: None for k in GPU_KEYS if launcher.get(k)})
+        changes.update({k: None for k in GPU_KEYS if launcher.get(k) and k not in given})
     node_cpus = max(c for c, _, _ in found[name])
     cpus = node_cpus // max(1, int(launcher.get("tasks_per_node") or 1))
     if "cpus_per_task" not in given and cpus and (launcher.get("cpus_per_task") or 0) > cpus:

@@ -104,7 +104,7 @@ def test_an_unknown_partition_is_refused_naming_the_key(slurm_cluster, tmp_path)
     before = slurm_cluster.run("scontrol", "show", "jobs", "-o").stdout
     line = refused(sweep(slurm_cluster, tmp_path / "sweep", *LM, "hydra.launcher.partition=nope", ONE_CPU,
                          "trainer.max_steps=1"))
-    assert line == ("error: hydra.launcher.partition=nope: the SLURM cluster has no such partition "
+    assert line == ("error: hydra.launcher.partition=nope: the SLURM cluster has no partition nope "
                     f"(it has: {slurm_cluster.partition}; null takes the default, {slurm_cluster.partition})")
     assert not (tmp_path / "sweep").exists()
     assert slurm_cluster.run("scontrol", "show", "jobs", "-o").stdout == before  # nothing submitted
@@ -116,6 +116,16 @@ def test_a_request_no_node_can_hold_is_refused_with_the_schedulers_reason(slurm_
     assert line.startswith("error: the SLURM cluster refuses the sweep's jobs: "), line
     assert "Requested node configuration is not available" in line  # sbatch's own words
     assert f"cpus_per_task={slurm_cluster.cpus + 1}" in line
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_gpus_asked_for_on_the_command_line_are_refused_where_there_are_none(slurm_cluster, tmp_path):
+    """The default GPU is dropped on a node without GPUs (the array test shows it); one asked for
+    explicitly is not: the scheduler's reason, in one line."""
+    line = refused(sweep(slurm_cluster, tmp_path / "sweep", *LM, "trainer.max_steps=1", ONE_CPU,
+                         "hydra.launcher.gpus_per_node=1"))
+    assert line.startswith("error: the SLURM cluster refuses the sweep's jobs: "), line
+    assert "gpus_per_node=1" in line
     assert not (tmp_path / "sweep").exists()
 
 
