@@ -6,9 +6,10 @@ submitit SLURM launcher (hydra/launcher=slurm), before the sweep directory is ma
 - refuses a partition the cluster does not have, naming hydra.launcher.partition (null takes the
   cluster's default partition);
 - drops the default GPU options (gpus_per_node, gpus_per_task) where no node of the partition has a
-  GPU, and fits the default cpus_per_task and mem_gb to the partition's largest node (defaults:
-  conf/hydra/launcher/slurm.yaml's; values given on the command line are never changed), with one line saying so: the defaults ask for a
-  GPU node, and a newcomer's first sweep on a small CPU cluster should run, not fail in sbatch;
+  GPU, and fits the default cpus_per_task and mem_gb to the partition's largest node, with one line
+  saying so (defaults: conf/hydra/launcher/slurm.yaml's; values given on the command line are never
+  changed): the defaults ask for a GPU node, and a newcomer's first sweep on a small CPU cluster
+  should run, not fail in sbatch;
 - asks the scheduler (`sbatch --test-only` on the batch script submitit would submit) whether it
   would accept the jobs, and refuses with the scheduler's own reason if not (more CPUs or memory
   than a node has, an unknown account or QOS).
