@@ -4,6 +4,7 @@ a sweep is one job array reviewed exactly as a local sweep, a preempted job resu
 losses, and a sweep the cluster cannot run is refused in one line before anything is submitted."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -83,6 +84,21 @@ def test_a_slurm_sweep_without_sbatch_is_one_line(tmp_path):
     line = refused(result)
     assert line.startswith("error: hydra/launcher=slurm") and "sbatch" in line and "not installed" in line
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_job_on_a_node_names_its_directory_by_what_train_py_swept(monkeypatch):
+    """A submitit job's sys.argv is submitit's (`-m submitit.core._submit <folder>`): the swept keys
+    come from what the submitting train.py exported, not from every override of the job."""
+    from experiments.config.resolvers import SWEPT_KEYS_ENV, export_swept_keys, job_subdir
+
+    monkeypatch.delenv(SWEPT_KEYS_ENV, raising=False)
+    export_swept_keys(["hydra/launcher=slurm", "model.dim=32", "model.num_fine_selected=2,4", "trainer.seed=0,1"])
+    monkeypatch.setattr(sys, "argv", ["-m", "/sweep/.submitit/7_0"])
+    try:
+        assert job_subdir(["model.dim=32", "model.num_fine_selected=4", "trainer.seed=1"], 1) == \
+            "model.num_fine_selected=4/seed=1"
+    finally:
+        os.environ.pop(SWEPT_KEYS_ENV, None)
 
 
 @pytest.mark.parametrize("option,message", [
