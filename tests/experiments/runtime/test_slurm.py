@@ -253,7 +253,8 @@ def _resumed_steps(run_dir: Path) -> list[int]:
 def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_cluster, tmp_path):
     """One job preempted twice: `scontrol requeue`, as SLURM preempts a job (SIGTERM: the run
     checkpoints at the end of its step and exits), then SIGUSR2, the signal submitit asks for before
-    a time limit, whose handler requeues the job itself. Each time the job starts again in its own
+    a time limit (the run checkpoints at the end of its step, then submitit's handler requeues the
+    job). Each time the job starts again in its own
     directory and resumes from its last checkpoint; it ends with the losses of an uninterrupted run,
     every step once in metrics.jsonl, one summary."""
     steps = [*LM, "trainer.max_steps=300", "trainer.checkpoint_every=20", "trainer.validate_every=0",
@@ -287,7 +288,14 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
     assert proc.returncode == 0, output[-3000:]
     train(tmp_path / "whole", *steps[len(LM):])
 
-    assert len(_resumed_steps(job_dir)) == 2, (job_dir / "train.log").read_text()[-3000:]
+    log = (job_dir / "train.log").read_text()
+    assert len(_resumed_steps(job_dir)) == 2, log[-3000:]
+    # both times the run checkpointed where it stopped, so no step was lost: SIGTERM's, then USR2's
+    # (which submitit's handler alone would have answered by requeueing at once, from the last
+    # periodic checkpoint)
+    assert "SIGTERM received: checkpointing" in log and "SIGUSR2 received: checkpointing" in log, log[-3000:]
+    stopped = [int(s) for s in re.findall(r"checkpoint \S+step_(\d+)\.pt", log)]
+    assert all(resumed in stopped for resumed in _resumed_steps(job_dir))
     rows = [r["step"] for r in read_metrics(job_dir) if "loss" in r]
     assert rows == list(range(1, 301))  # no step twice
     assert losses(job_dir) == losses(tmp_path / "whole")
