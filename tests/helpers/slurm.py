@@ -12,6 +12,7 @@ slurm-wlm).
 """
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -133,6 +134,9 @@ ReturnToService=2
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=1
 KillWait=5
+# job ids (and so the MASTER_PORT an srun step derives from its job id) differ between test clusters
+# running at once on one machine (pytest -n: one per worker)
+FirstJobId={random.randint(1000, 60_000_000)}
 NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={max(256, memory_mb() * 3 // 4)} State=UNKNOWN
 PartitionName={PARTITION} Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """)
