@@ -24,7 +24,9 @@ def main(cfg: DictConfig) -> float | None:
     from experiments.runtime.run import Run
     from experiments.tasks.loop import Loop
 
-    with Run.from_hydra(is_main=launch.rank() == 0) as run:
+    run = Run.from_hydra(is_main=launch.rank() == 0)
+    launch.log_to_rank_file(run.dir)  # rank k > 0 of a submitit job with tasks_per_node > 1
+    with run:
         check_config(cfg)
         backend = build(cfg.backend, "backend")
         backend.setup(cfg.trainer)  # device, seeds, threads: before anything is built
@@ -43,13 +45,19 @@ if __name__ == "__main__":
     from pathlib import Path
 
     from experiments.config.checks import composition_error
+    from experiments.config.resolvers import export_swept_keys
     from experiments.runtime.launch import output_dir_error, prepare_argv
 
     # a launcher's --local_rank, and one run directory for every rank, before Hydra parses argv
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]
     overrides = sys.argv[1:]
+    export_swept_keys(overrides)  # a sweep job's directory names what is swept, wherever it runs
+    conf = str(Path(__file__).resolve().parent / "conf")
     if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
-        conf = str(Path(__file__).resolve().parent / "conf")
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
+            sys.exit(f"error: {error}")
+    # a sweep: its launcher's options (a misspelt key, a wrong type) as one line, before any job starts
+    elif launcher := [a for a in overrides if a.startswith(("hydra/launcher=", "hydra.launcher.")) and "," not in a]:
+        if error := composition_error(conf, launcher):
             sys.exit(f"error: {error}")
     main()

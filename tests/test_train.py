@@ -88,6 +88,24 @@ def test_two_job_sweep_of_the_issue_leaves_two_directories(tmp_path):
     assert jobs == ["model.depth=1/seed=0", "model.depth=1/seed=1", "model.depth=2/seed=0", "model.depth=2/seed=1"]
 
 
+@pytest.mark.slow
+def test_a_local_parallel_sweep_shares_the_cpus_between_its_jobs(tmp_path):
+    """hydra/launcher=local_gpus hydra.launcher.n_jobs=2 on a CPU machine: two worker processes, each
+    job in its own directory with an equal share of the CPUs as its threads (trainer.threads=null)."""
+    import os
+
+    sweep = tmp_path / "sweep"
+    tiny = [o for o in TINY if not o.startswith("trainer.threads")]
+    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", "hydra/launcher=local_gpus",
+           "hydra.launcher.n_jobs=2", *tiny, "model=transformer", "trainer.max_steps=2", "model.depth=1,2"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=run_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [read_summary(sweep / f"model.depth={d}" / "seed=0") for d in (1, 2)]
+    assert all(s["status"] == "completed" for s in summaries)
+    assert len({s["pid"] for s in summaries}) == 2  # two workers, not one after the other in one process
+    assert [s["threads"] for s in summaries] == [max(1, len(os.sched_getaffinity(0)) // 2)] * 2
+
+
 def _fails(run, *overrides):
     result = train(run, *overrides, check=False)
     assert result.returncode != 0

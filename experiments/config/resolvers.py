@@ -1,7 +1,29 @@
 """Resolvers the config names: `${job_subdir:...}` (conf/config.yaml's hydra.sweep.subdir)."""
 
+import os
 import sys
 from typing import Any, Optional
+
+# the swept keys, as train.py read them from its command line: a launcher runs a job where sys.argv is
+# its own (submitit's `python -m submitit.core._submit <folder>` on a SLURM node, a joblib worker), so
+# train.py exports them for the job's process, which inherits the environment
+SWEPT_KEYS_ENV = "SPARSE_ATTENTION_SWEPT_KEYS"
+
+
+def export_swept_keys(args: list[str]) -> None:
+    """Record the keys `args` sweeps for the jobs' processes (nothing when it cannot be parsed)."""
+    swept = _swept_keys(args)
+    if swept is None:
+        os.environ.pop(SWEPT_KEYS_ENV, None)
+    else:
+        os.environ[SWEPT_KEYS_ENV] = ",".join(sorted(swept))
+
+
+def swept_keys() -> Optional[set[str]]:
+    exported = os.environ.get(SWEPT_KEYS_ENV)
+    if exported is not None:
+        return {k for k in exported.split(",") if k}
+    return _swept_keys(sys.argv[1:])
 
 
 def job_subdir(task_overrides: Any, seed: Any, sweeper_params: Any = None, job_num: Any = None) -> str:
@@ -9,7 +31,7 @@ def job_subdir(task_overrides: Any, seed: Any, sweeper_params: Any = None, job_n
     line), then the seed as its own last level, e.g. `model.num_fine_selected=4/seed=1`. A sweeper
     that picks values itself (Optuna) may pick the same ones twice, so its jobs lead with
     `trial=<job number>`."""
-    swept = _swept_keys(sys.argv[1:])
+    swept = swept_keys()
     if swept is not None and sweeper_params:
         swept |= set(sweeper_params)
     parts = sorted(

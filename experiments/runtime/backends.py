@@ -55,8 +55,8 @@ class LocalBackend:
         self.precision = trainer.precision.value
         if self.precision == "fp16" and self.device.type != "cuda":
             raise UserError("trainer.precision=fp16 needs a CUDA device: use bf16 or fp32 on the CPU")
-        if trainer.threads:
-            torch.set_num_threads(trainer.threads)
+        if threads := trainer.threads or default_threads():
+            torch.set_num_threads(threads)
         if not allocator.use(trainer.cpu_allocator.value):
             log.info(f"trainer.cpu_allocator={trainer.cpu_allocator.value}: {allocator.FALLBACK[trainer.cpu_allocator.value]}")
         if trainer.deterministic:  # cuBLAS reads it when it first starts: before the model is built
@@ -301,6 +301,30 @@ def compile_mode(value) -> Optional[str]:
     if value is True:
         return "default"
     return None if value is False else value
+
+
+def default_threads() -> Optional[int]:
+    """CPU threads where trainer.threads is null: SLURM's CPUs per task inside a SLURM job that set
+    them, an equal share of this process's CPUs for each of a parallel sweep's jobs (local_gpus:
+    n_jobs jobs at once on a CPU machine, each with its own threads, none oversubscribed); None
+    elsewhere (torch's default)."""
+    if (cpus := os.environ.get("SLURM_CPUS_PER_TASK", "")).isdigit() and int(cpus) > 0:
+        return int(cpus)
+    if (jobs := parallel_jobs()) > 1:
+        return max(1, len(os.sched_getaffinity(0)) // jobs)
+    return None
+
+
+def parallel_jobs() -> int:
+    """How many jobs a parallel launcher (joblib) runs at once for this sweep job; 1 otherwise."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except (ImportError, ValueError):
+        return 1
+    launcher = hc.launcher.get("_target_", "") if hc.launcher else ""
+    return max(1, int(hc.launcher.get("n_jobs", 1) or 1)) if "joblib" in launcher.lower() else 1
 
 
 def parallel_job_slot():

@@ -11,6 +11,14 @@ write no .hydra/ files and log to train.rank<k>.log.
 The store is kept for the backends' process group, and for a failing rank to leave its error
 where rank 0 finds it.
 
+`srun --ntasks=N python train.py backend=ddp` starts N processes with no torchrun variables: inside
+such a job step (SLURM_STEP_ID set, more than one task in the step) `from_slurm` exports RANK,
+WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID,
+MASTER_ADDR as the step's first host and MASTER_PORT from the job and step ids, so every part that
+reads torchrun's variables (this module, torch.distributed, DeepSpeed) sees one job of N ranks. A
+batch script (no step) or a step of one task (a submitit job array element) changes nothing, and
+torchrun's own variables always win.
+
 Only the standard library is imported at module level: `train.py --help` stays fast.
 """
 
@@ -24,15 +32,63 @@ _PREFIX = "sparse_attention/"
 
 
 def rank() -> int:
+    from_slurm()
     return int(os.environ.get("RANK", 0))
 
 
 def local_rank() -> int:
+    from_slurm()
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def world_size() -> int:
+    from_slurm()
     return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def from_slurm(environ: Optional[dict] = None) -> bool:
+    """Inside an `srun` step of several tasks with no torchrun variables, export the rank, world
+    size, local rank and master address and port SLURM's environment implies (see the module's
+    docstring); True when it did. Called again, it changes nothing."""
+    env = os.environ if environ is None else environ
+    if any(k in env for k in ("RANK", "WORLD_SIZE")) or "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
+        return False
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    if tasks <= 1:
+        return False
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], str(tasks)
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    per_node = _first_count(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
+    if per_node:
+        env["LOCAL_WORLD_SIZE"] = str(per_node)
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    env.setdefault("MASTER_ADDR", first_host(nodes) or "127.0.0.1")
+    # one port per job step, the same on every rank: 20000-49999, clear of the ephemeral range
+    job, step = int(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or 0), int(env.get("SLURM_STEP_ID") or 0)
+    env.setdefault("MASTER_PORT", str(20000 + (job * 16 + step) % 30000))
+    return True
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: `gpu[03-05,07],cpu1` -> `gpu03`."""
+    head = ""
+    depth = 0
+    for ch in nodelist:  # the first entry: up to a comma outside brackets
+        if ch == "," and depth == 0:
+            break
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        head += ch
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[", 1)
+    first = ranges.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + first + head[head.index("]") + 1:] if "]" in head else prefix + first
+
+
+def _first_count(tasks_per_node: str) -> int:
+    """`2(x3),1` -> 2: the tasks on the first node."""
+    head = tasks_per_node.split(",")[0].split("(")[0]
+    return int(head) if head.isdigit() else 0
 
 
 def prepare_argv(argv: list[str]) -> list[str]:
@@ -53,6 +109,27 @@ def prepare_argv(argv: list[str]) -> list[str]:
         argv = [*argv, "hydra.output_subdir=null", "hydra.job_logging.root.handlers=[file]",
                 f"hydra.job_logging.handlers.file.filename={run_dir}/train.rank{rank()}.log"]
     return argv
+
+
+def log_to_rank_file(run_dir) -> None:
+    """A rank other than 0 logs to train.rank<k>.log, not rank 0's train.log. `prepare_argv` sees to it
+    for torchrun and srun; a launcher that runs the task in its own process (submitit with
+    tasks_per_node > 1) has set Hydra's train.log up for every rank, so it is swapped here."""
+    import logging
+    from pathlib import Path
+
+    if rank() == 0:
+        return
+    target = Path(run_dir) / f"train.rank{rank()}.log"
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) != target:
+            replacement = logging.FileHandler(target)
+            replacement.setFormatter(handler.formatter)
+            replacement.setLevel(handler.level)
+            root.removeHandler(handler)
+            handler.close()
+            root.addHandler(replacement)
 
 
 def output_dir_error(overrides: list[str]) -> Optional[str]:

@@ -61,6 +61,7 @@ class Run:
         self._start = time.time()
         self._wall_before = 0.0  # wall time of earlier sessions of a resumed run
         self._handlers: dict = {}
+        self._requeue: Optional[tuple] = None  # (signal, submitit's handler) in a submitit job
 
     @classmethod
     def from_hydra(cls, is_main: bool = True) -> "Run":
@@ -189,7 +190,22 @@ class Run:
                 self._handlers[sig] = signal.signal(sig, self._request_stop)
             except ValueError:  # not the main thread (a launcher's worker): keep the defaults
                 pass
+        self._take_over_submitit_requeue()
         return self
+
+    def _take_over_submitit_requeue(self) -> None:
+        """In a submitit job (hydra/launcher=slurm), the signal SLURM sends before a time limit (USR2)
+        makes submitit requeue the job and exit at once, losing the steps since the last checkpoint.
+        Here it stops the run like SIGTERM (a checkpoint at the end of the step); submitit's handler
+        then requeues the job (`__exit__`)."""
+        sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+        current = signal.getsignal(sig) if sig is not None else None
+        if getattr(current, "__name__", "") == "checkpoint_and_try_requeue":
+            try:
+                self._handlers[sig] = signal.signal(sig, self._request_stop)
+                self._requeue = (sig, current)
+            except ValueError:
+                pass
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         for sig, handler in self._handlers.items():
@@ -201,6 +217,9 @@ class Run:
                 return self._exit(1)
             if self.stop_requested:  # the whole process stops, a sweep too: its later jobs do not start
                 self.write_summary("interrupted")
+                if self._requeue is not None and self.stop_signal == self._requeue[0]:
+                    log.info("checkpointed: submitit requeues the job")
+                    self._requeue[1](self.stop_signal, None)  # requeues and exits (rank 0 only)
                 sys.exit(128 + (self.stop_signal or signal.SIGTERM))
             self.write_summary("completed")
             return False

@@ -72,6 +72,7 @@ class Loop:
             data_fingerprint=data.fingerprint,
             device=str(device),
             processor=device_name(device),  # what the speed figures were measured on
+            threads=torch.get_num_threads(),  # CPU threads (trainer.threads, or a share of the CPUs)
             precision=backend.precision,
             flops_per_token=round(self._flops_at(task.total_steps - 1, self.members)),  # at the full length
             matmul_peak_gflops=round(self.peak_flops / 1e9, 1),
