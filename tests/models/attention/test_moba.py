@@ -148,7 +148,7 @@ def test_cpu_kernel_trains_as_the_torch_path():
 @pytest.mark.parametrize("bad, message", [
     (dict(kv_heads=3), "heads=4 must be a multiple of kv_heads=3"), (dict(block_size=0), "block_size=0"),
     (dict(top_k=0), "top_k=0"), (dict(attn_dropout=0.1), "set model.attn_dropout=0"),
-    (dict(kernel="triton", dim_head=24), "dim_head a power of two"),
+    (dict(kernel="triton", dim_head=24), "dim_head=24 to be a power of two"),
 ])
 def test_bad_knobs_are_refused_with_the_key(bad, message):
     with pytest.raises(ValueError, match=message):
