@@ -27,9 +27,10 @@ from kernels import dispatch
 from kernels import span_attention as spans
 from kernels.nsa_attention.blocks import BlockRules, compressed_blocks
 
-# compress() -> [b, blocks, 2 * kv_heads, d]: the learned compressor over the compressed branch's keys and
-# values, the keys' heads first (a closure: a path may call it again in its backward, to recompute)
-Compress = Callable[[], tuple[Tensor, Tensor]]
+# compress(to_compress [b, n, 2 * kv_heads, d]) -> [b, blocks, 2 * kv_heads, d]: the learned compressor of
+# the compressed branch's keys and values, the keys' heads first (its input passed as an argument, so
+# that a path recomputing it in the backward saves that input as autograd saves any other)
+Compress = Callable[[Tensor], Tensor]
 BRANCHES = 3  # compressed, selected, window: the gates' order
 
 
@@ -54,7 +55,8 @@ def cpu_built() -> bool:
     return spans.available() and cpu_selection_available()
 
 
-def nsa_attention(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: Compress, block: int, stride: int,
+def nsa_attention(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, to_compress: Optional[Tensor], compress: Compress,
+                  block: int, stride: int,
                   rules: BlockRules, rotary: Rotary, start: int = 0, compressed: Optional[Tensor] = None,
                   kernel: str = "auto", diff_topk: bool = False, dropout: float = 0.0, record: bool = False,
                   recompute_inputs: Callable[[], ContextManager] = nullcontext
@@ -65,7 +67,9 @@ def nsa_attention(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: 
     keys       four [batch, seq_k, kv_heads, dim_head] keys and values of the selected and window
                                                        branches (seq_k = start + seq_q), before rotary
     gates      [batch, seq_q, 3, heads]                gate logits, branches in that order (-inf: closed)
-    compress   the learned compressor of the compressed branch's keys and values (Compress)
+    to_compress [batch, seq_q, 2 * kv_heads, dim_head]  the compressed branch's keys and values (any
+               strides; None after a cache, which holds them compressed)
+    compress   the learned compressor (Compress)
     block, stride   compressed blocks of `block` tokens every `stride`
     rules      fine blocks, how many are selected, the window
     rotary     the rotary embedding (a Rotary: rotates tensors, and gives the kernels its phases)
@@ -88,15 +92,16 @@ def nsa_attention(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: 
     if runs == "triton" and not exact:
         from kernels.nsa_attention import fused
 
-        return fused.attend(q, keys, gates, compress, block, stride, rules, rotary, start, compressed, record)
+        return fused.attend(q, keys, gates, to_compress, compress, block, stride, rules, rotary, start, compressed,
+                            record)
     if runs == "cpu" and training and not exact:
         from kernels.nsa_attention import cpu
 
         with recompute_inputs():
-            return cpu.train(q, keys, gates, compress, block, stride, rules, rotary), None
+            return cpu.train(q, keys, gates, to_compress, compress, block, stride, rules, rotary), None
     from kernels.nsa_attention import chunked
 
-    return chunked.attend(q, keys, gates, compress, block, stride, rules, rotary, start, compressed, runs,
+    return chunked.attend(q, keys, gates, to_compress, compress, block, stride, rules, rotary, start, compressed, runs,
                           diff_topk, dropout, record)
 
 

@@ -24,9 +24,9 @@ from kernels.nsa_attention.compressed import block_selection, causal_block_atten
 from kernels.recompute import recomputed
 
 
-def attend(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress, block: int, stride: int, rules: BlockRules,
-           rotary, start: int, compressed: Optional[tuple[Tensor, Tensor]], runs: str, diff_topk: bool, dropout: float,
-           record: bool) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
+def attend(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, to_compress: Optional[Tensor], compress, block: int,
+           stride: int, rules: BlockRules, rotary, start: int, compressed: Optional[Tensor], runs: str, diff_topk: bool,
+           dropout: float, record: bool) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
     """kernels.nsa_attention.nsa_attention in plain PyTorch (shapes there)."""
     kv_heads = keys[0].shape[2]
     branches = Branches(block, stride, rules, rotary, runs, dropout)
@@ -35,15 +35,15 @@ def attend(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress, block: 
     gates = rearrange(gates, "b n s (h g) -> s b h g n 1", h=kv_heads)
     chosen = None
     if compressed is not None or not torch.is_grad_enabled():
-        out, chosen = branches.together(q, keys, gates, compress, start, compressed, False)
+        out, chosen = branches.together(q, keys, gates, to_compress, compress, start, compressed, False)
     elif diff_topk:  # selection passes gradient: the branches recompute together
-        out, _ = recomputed(branches.together, q, keys, gates, compress, 0, None, True)
+        out, _ = recomputed(branches.together, q, keys, gates, to_compress, compress, 0, None, True)
         if record:  # what the step chose, as the fused kernels record it
             with torch.no_grad():
-                _, chosen = branches.together(q.detach(), tuple(t.detach() for t in keys), gates.detach(), compress,
-                                              0, None, False)
+                _, chosen = branches.together(q.detach(), tuple(t.detach() for t in keys), gates.detach(),
+                                              to_compress.detach(), compress, 0, None, False)
     else:
-        out = branches.train(q, keys, gates, compress)
+        out = branches.train(q, keys, gates, to_compress, compress)
     return rearrange(out, "b h g n d -> b n (h g) d"), chosen if record else None
 
 
@@ -54,20 +54,20 @@ class Branches:
     def __init__(self, block: int, stride: int, rules: BlockRules, rotary, runs: str, dropout: float):
         self.block, self.stride, self.rules, self.rotary, self.runs, self.dropout = block, stride, rules, rotary, runs, dropout
 
-    def train(self, q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress) -> Tensor:
+    def train(self, q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, to_compress: Tensor, compress) -> Tensor:
         """A training step from position 0: selection once without gradient, each branch checkpointed."""
         k_slc, v_slc, k_win, v_win = keys
         with torch.no_grad():
-            kc, _ = split_compressed(compress())
+            kc, _ = split_compressed(compress(to_compress))
             scores, indices = block_selection(q.flatten(0, 1), kc.flatten(0, 1), 0, self.block, self.stride,
                                               self.rules.fine, self.rules.chooser(k_slc.shape[2]))
-        out = checkpoint(self._compressed, q, gates[0], compress, use_reentrant=False,
+        out = checkpoint(self._compressed, q, to_compress, gates[0], compress, use_reentrant=False,
                          context_fn=_keep_causal_attention)
         out = out + checkpoint(self._selected, q, k_slc, v_slc, gates[1], scores, indices, use_reentrant=False)
         return out + checkpoint(self._window, q, k_win, v_win, gates[2], use_reentrant=False)
 
-    def together(self, q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress, start: int,
-                 compressed: Optional[tuple[Tensor, Tensor]], importance_grad: bool
+    def together(self, q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, to_compress: Optional[Tensor], compress,
+                 start: int, compressed: Optional[Tensor], importance_grad: bool
                  ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """The three branches in one go, for queries from `start` (keys from 0; `compressed` the
         cache's compressed keys, else compressed here) -> out, and the freely chosen blocks
@@ -78,7 +78,7 @@ class Branches:
         if rotary is None:
             k_slc, k_win = self.rotary(torch.stack((k_slc, k_win)), 0)
         q_rot = self.rotary(q.flatten(1, 2), start).view_as(q)
-        kc, vc = split_compressed(compressed if compressed is not None else compress())
+        kc, vc = split_compressed(compressed if compressed is not None else compress(to_compress))
         out_cmp, scores, indices = compressed_attention(
             q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), start, self.block, self.stride, self.rules.fine,
             self.rules.chooser(k_slc.shape[2]), importance_grad=importance_grad)
@@ -89,8 +89,8 @@ class Branches:
         out = gates[0] * out_cmp.view_as(q) + gates[1] * out_slc + gates[2] * out_win
         return out, (indices, scores > float("-inf"))
 
-    def _compressed(self, q: Tensor, gate: Tensor, compress) -> Tensor:
-        kc, vc = split_compressed(compress())
+    def _compressed(self, q: Tensor, to_compress: Tensor, gate: Tensor, compress) -> Tensor:
+        kc, vc = split_compressed(compress(to_compress))
         out = causal_block_attention(q.flatten(0, 1), kc.flatten(0, 1), vc.flatten(0, 1), self.block, self.stride)
         return torch.sigmoid(gate) * out.view_as(q)
 

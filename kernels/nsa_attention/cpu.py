@@ -13,14 +13,14 @@ from kernels.nsa_attention.compressed import cpu_compressed_selection
 from kernels.recompute import recomputed
 
 
-def train(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress, block: int, stride: int, rules: BlockRules,
-          rotary) -> Tensor:
+def train(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, to_compress: Tensor, compress, block: int, stride: int,
+          rules: BlockRules, rotary) -> Tensor:
     """A training step from position 0 (shapes as kernels.nsa_attention.nsa_attention) -> [b, n, heads, d]."""
     b, m, heads, d = q.shape
     kv_heads = keys[0].shape[2]
     q = rearrange(q, "b n (h g) d -> b h g n d", h=kv_heads)
     k_slc, v_slc, k_win, v_win = (t.transpose(1, 2) for t in keys)  # [b, h, n, d] views
-    kc, vc = split_compressed(recomputed(compress))
+    kc, vc = split_compressed(recomputed(compress, to_compress))
     out_cmp, scores, indices = cpu_compressed_selection(q, kc.flatten(0, 1), vc.flatten(0, 1), block, stride,
                                                         rules.fine, rules.forced, rules.free(m))
     gates = rearrange(torch.sigmoid(gates), "b n s (h g) -> s (b h) g n", h=kv_heads)  # [3, b * h, g, n]

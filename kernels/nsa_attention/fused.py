@@ -92,12 +92,13 @@ def run(q: Tensor, kvc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_w
     return out, blocks
 
 
-def attend(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, compress: Callable, block: int, stride: int,
+def attend(q: Tensor, keys: tuple[Tensor, ...], gates: Tensor, to_compress: Optional[Tensor], compress: Callable,
+           block: int, stride: int,
            rules: BlockRules, rotary, start: int, compressed: Optional[tuple[Tensor, Tensor]], record: bool
            ) -> tuple[Tensor, Optional[tuple[Tensor, Tensor]]]:
     """kernels.nsa_attention.nsa_attention on the fused kernels (shapes there): token-first tensors
     straight into the kernels, the compressor run here (autograd through it)."""
-    kvc = compressed if compressed is not None else compress()
+    kvc = compressed if compressed is not None else compress(to_compress)
     seq_k = start + q.shape[1]
     knobs = Knobs(block, stride, rules.fine, rules.forced, rules.free(seq_k), rules.window)
     out, blocks = run(q, kvc, *keys, gates, rotary.phases(seq_k, q.device), start, knobs)

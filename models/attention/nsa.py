@@ -228,7 +228,8 @@ class NativeSparseAttention(nn.Module):
                 *local, compressed = self._extend_cache(cache, start, to_compress, *local)
             record = self.selections is not None and cache is None
             out, chosen = nsa_attention(
-                q, tuple(local), gates, partial(self.compressor, to_compress, kernel=self.kernel), self.compressor.block,
+                q, tuple(local), gates, None if cache is not None else to_compress,
+                partial(self.compressor, kernel=self.kernel), self.compressor.block,
                 self.compressor.stride, self.rules, self.rotary, start, compressed, self.kernel, self.diff_topk,
                 self.dropout if self.training else 0.0, record, projections.armed)
         if record and chosen is not None:
