@@ -5,14 +5,21 @@ stage's output to a log in the folder given:
     python -m experiments.gpu_report OUT tests     # pytest -m "gpu or triton" -n 8: the suite's CUDA tier
     python -m experiments.gpu_report OUT kernels   # benchmark_kernels: layers at both settings, branches
     python -m experiments.gpu_report OUT models    # benchmark --device cuda: dense and NSA LMs, bf16
-    python -m experiments.gpu_report OUT all       # the four in turn
+    python -m experiments.gpu_report OUT compile   # trainer.compile's modes: loss against eager, tokens/s, launches
+    python -m experiments.gpu_report OUT decoding  # the speculative preset trained, then its decoding engines timed
+    python -m experiments.gpu_report OUT all       # each in its own process under its time limit (TIMEOUTS)
 
 Each log begins with the GPU's name, torch and triton versions, and the command. On a machine
-without CUDA it says so in one line and exits 2.
+without CUDA it says so in one line and exits 2. With `all`, a stage that outlives its limit is
+killed and its log ends with a line saying so: a hang costs one stage, not the lease; the tests
+and the devices stage run side by side (neither is timed).
 """
 
 import argparse
+import os
+import signal
 import subprocess
+import tempfile
 import sys
 import time
 from dataclasses import dataclass
@@ -27,12 +34,17 @@ if TYPE_CHECKING:  # torch is imported where it is used: `--help` and the no-CUD
 STAGES = {
     # -rP: what passing tests print (how far two runs drift without trainer.deterministic)
     "tests": [sys.executable, "-m", "pytest", "-m", "gpu or triton", "-n", "8", "-p", "no:cacheprovider", "-q", "-rP"],
-    "kernels": [sys.executable, "-m", "experiments.benchmark_kernels", "--lengths", "8192", "16384", "32768",
+    "kernels": [sys.executable, "-m", "experiments.benchmark_kernels", "--repeats", "3", "--lengths", "16384", "32768",
                 "65536"],
     "models": [sys.executable, "-m", "experiments.benchmark", "--device", "cuda", "--precision", "bf16",
                "--models", "transformer", "nsa", "--seq", "512", "8192", "32768", "--batch", "1", "--steps", "5",
                "--override", "model.dim=512", "model.depth=6", "model.heads=8", "model.dim_head=64"],
 }
+
+
+# seconds each stage may take under `all` (together under a 10-minute command, with the wheels' install)
+TIMEOUTS = {"kernels": 160, "models": 55, "tests": 140, "devices": 140, "compile": 110, "decoding": 100}
+ORDER = [("kernels",), ("models",), ("tests", "devices"), ("compile",), ("decoding",)]  # a tuple runs side by side
 
 
 def header() -> str:
@@ -158,18 +170,122 @@ def compare_devices(checks: Sequence[tuple[str, ...]] = tuple(DEVICE_CHECKS),
                f"worst relative gradient difference {a.gradient:.2e} ({a.parameter})")
 
 
+# the LM the compile stage steps: the models stage's 6 x 512 at 512 tokens, batch 1, bf16
+COMPILE_LM = ("model.dim=512", "model.depth=6", "model.heads=8", "model.dim_head=64")
+
+
+def compiled_steps(overrides: Sequence[str], mode: str, seq: int = 512, steps: int = 20, device: str = "cuda") -> dict:
+    """Training steps of one LM as train.py takes them (trainer.compile's torch.compile of the
+    forward, bf16 autocast, AdamW) on CUDA, from seed 0 on fixed random batches [1, seq + 1]:
+    the first step's seconds (compiling), the losses, tokens/s over the last `steps` steps, and one
+    step's launch calls and kernels (torch.profiler: a replayed CUDA graph is one launch call; on
+    the CPU, where nothing is launched, none)."""
+    import torch
+    import torch.nn.functional as F
+
+    from experiments.benchmark_speculative import cuda_launches
+
+    build, cfg = configured_lm(*overrides, f"data.seq_len={seq}")
+    torch.manual_seed(0)
+    model = build("cpu").to(device).train()
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    forward = model if mode == "eager" else torch.compile(model, mode=mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = torch.randint(0, cfg.model.num_tokens, (4, 1, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    losses = []
+
+    def step(i: int) -> None:
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        x = batches[i % len(batches)]
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = F.cross_entropy(forward(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    started = time.perf_counter()
+    step(0)
+    first_s = time.perf_counter() - started
+    for i in range(1, 4):
+        step(i)
+    sync()
+    started = time.perf_counter()
+    for i in range(4, 4 + steps):
+        step(i)
+    sync()
+    tokens_per_s = steps * seq / (time.perf_counter() - started)
+    launches, kernels = cuda_launches(lambda: step(4 + steps)) if device == "cuda" else (None, None)
+    return dict(first_s=first_s, losses=losses, tokens_per_s=tokens_per_s, launches=launches, kernels=kernels)
+
+
+COMPILE_CHECKS = [("model=nsa", *COMPILE_LM), ("model=transformer", *COMPILE_LM)]
+
+
+def compare_compiled(checks: Sequence[tuple[str, ...]] = tuple(COMPILE_CHECKS),
+                     modes: Sequence[str] = ("eager", "default", "reduce-overhead")) -> Iterator[str]:
+    """One line per LM and trainer.compile mode, as each is done; the losses of the first 10 steps
+    against eager's (bf16: expect differences of 1e-2 relative at most)."""
+    for overrides in checks:
+        eager = None
+        for mode in modes:
+            name = f"{overrides[0]} {mode}"
+            try:
+                r = compiled_steps(overrides, mode)
+            except Exception as error:  # a mode that fails is a finding; the next one runs
+                yield f"FAILED {name}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                continue
+            eager = r if mode == "eager" else eager
+            drift = "" if eager is None else "; worst relative loss difference to eager over 10 steps " + format(
+                max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:10], eager["losses"][:10])), ".2e")
+            yield (f"{name}: first step {r['first_s']:.1f} s, {r['tokens_per_s']:,.0f} tokens/s, launch calls a step "
+                   f"{r['launches']} ({r['kernels']} kernels), loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+                   + drift)
+
+
+DECODING = [
+    # the preset, trained on CUDA (task.engine=auto: CUDA graphs): its summary holds the speedup
+    [sys.executable, "train.py", "experiment=speculative", "tracker=none", "trainer.device=cuda"],
+    # plain decoding at the seed's size: CUDA graphs, then the growing cache
+    [sys.executable, "-m", "experiments.benchmark_speculative", "--models", "ours", "--device", "cuda", "--repeat",
+     "1", "--engine", "graphs"],
+    [sys.executable, "-m", "experiments.benchmark_speculative", "--models", "ours", "--device", "cuda", "--repeat",
+     "1", "--engine", "cache"],
+]
+
+
+def decoding(log) -> int:
+    """The speculative preset trained into a fresh run directory and its summary's figures, then
+    plain decoding at the seed's size timed with CUDA graphs and with the growing cache."""
+    run = Path(tempfile.mkdtemp(prefix="speculative_")) / "run"
+    status = 0
+    for command in DECODING:
+        command = command + ([f"hydra.run.dir={run}"] if command[1] == "train.py" else [])
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        status = max(status, subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode)
+        if command[1] == "train.py":
+            summary = run / "summary.json"
+            log.write(f"summary: {summary.read_text() if summary.exists() else 'none written'}\n")
+    return status
+
+
 def run_stage(stage: str, out: Path) -> int:
     log = out / f"{stage}.log"
     started = time.perf_counter()
     with log.open("w") as f:
         f.write(header() + "\n")
-        if stage == "devices":
-            f.write("first training step of each LM at its conf/ size, CPU against CUDA, fp32\n")
+        if stage in ("devices", "compile"):
+            f.write("first training step of each LM at its conf/ size, CPU against CUDA, fp32\n" if stage == "devices"
+                    else f"training steps at 512 tokens, batch 1, bf16 ({' '.join(COMPILE_LM)}), per trainer.compile mode\n")
             status = 0
-            for line in compare_devices():
+            for line in compare_devices() if stage == "devices" else compare_compiled():
                 f.write(line + "\n")
                 f.flush()
                 status = max(status, int(line.startswith("FAILED")))
+        elif stage == "decoding":
+            status = decoding(f)
         else:
             f.write(" ".join(STAGES[stage]) + "\n")
             f.flush()
@@ -179,10 +295,30 @@ def run_stage(stage: str, out: Path) -> int:
     return status
 
 
+def run_all(out: Path) -> int:
+    """Every stage in ORDER, each a process of its own killed (with its children) at its limit."""
+    status = 0
+    for group in ORDER:
+        began = time.monotonic()
+        started = {stage: subprocess.Popen([sys.executable, "-m", "experiments.gpu_report", str(out), stage],
+                                           start_new_session=True) for stage in group}
+        for stage, process in started.items():
+            try:
+                status = max(status, process.wait(timeout=max(1.0, began + TIMEOUTS[stage] - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                with (out / f"{stage}.log").open("a") as f:
+                    f.write(f"[{stage}: killed at its limit of {TIMEOUTS[stage]} s]\n")
+                print(f"[{stage}: killed at its limit of {TIMEOUTS[stage]} s] -> {out / f'{stage}.log'}")
+                status = max(status, 124)
+    return status
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="folder for the logs (created)")
-    parser.add_argument("stage", choices=["devices", *STAGES, "all"])
+    parser.add_argument("stage", choices=["devices", *STAGES, "compile", "decoding", "all"])
     args = parser.parse_args(argv)
     import torch
 
@@ -190,8 +326,7 @@ def main(argv=None) -> int:
         print("gpu_report: error: no CUDA device here: these stages measure a GPU", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    stages = ["devices", *STAGES] if args.stage == "all" else [args.stage]
-    return max(run_stage(stage, args.out) for stage in stages)
+    return run_all(args.out) if args.stage == "all" else run_stage(args.stage, args.out)
 
 
 if __name__ == "__main__":
