@@ -9,6 +9,14 @@ from torch import Tensor
 from kernels import at_least_fp32
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "dweights")
+# where the tests run a Triton kernel: on the GPU where there is one, else in Triton's interpreter
+# on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 there)
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_for(kernel: str) -> torch.device:
+    """Where a test runs a path: the Triton kernels' on TRITON_DEVICE, every other on the CPU."""
+    return TRITON_DEVICE if kernel == "triton" else torch.device("cpu")
 
 
 def values_and_grads(out: Tensor, lse: Tensor, leaves: Sequence[Tensor]) -> list[Tensor]:

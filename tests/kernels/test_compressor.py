@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from experiments.runtime.op_counts import count_ops
 from kernels.nsa_attention import compressor_triton
 from kernels.nsa_attention.compressor import compress_backward, compress_blocks, compress_forward
+from tests.helpers.kernel_checks import TRITON_DEVICE, device_for
 
 triton = pytest.mark.triton
 KERNELS = ["torch", pytest.param("triton", marks=triton)]
@@ -67,27 +68,28 @@ def naive(x, pos, w1, b1, w2, block, stride, first=0):
     return torch.stack(outs, 1)
 
 
-def inputs(case: Case, dtype=torch.float32, seed=0):
+def inputs(case: Case, dtype=torch.float32, seed=0, device="cpu"):
     """x [b, seq, heads, d] (a strided view of a [b, seq, 3, heads, d] buffer unless case.strided is
-    False) and the weights, all random (pos and b1 too, so that a dropped term shows)."""
+    False) and the weights, all random (pos and b1 too, so that a dropped term shows), on `device`."""
     g = torch.Generator().manual_seed(seed)
     b, n, h, d, l, hid = case.batch, case.seq, case.heads, case.dim, case.block, case.hidden
     if case.strided:
-        x = torch.randn(b, n, 3, h, d, generator=g, dtype=dtype)[:, :, 1]
+        x = torch.randn(b, n, 3, h, d, generator=g, dtype=dtype).to(device)[:, :, 1]
     else:
-        x = torch.randn(b, n, h, d, generator=g, dtype=dtype)
+        x = torch.randn(b, n, h, d, generator=g, dtype=dtype).to(device)
     pos = torch.randn(h, l, d, generator=g, dtype=dtype) * 0.5
     w1 = torch.randn(h, l * d, hid, generator=g, dtype=dtype) / (l * d) ** 0.5
     b1 = torch.randn(h, 1, hid, generator=g, dtype=dtype) * 0.5
     w2 = torch.randn(h, hid, d, generator=g, dtype=dtype) / hid ** 0.5
-    return x, pos, w1, b1, w2
+    return (x, *(t.to(device) for t in (pos, w1, b1, w2)))
 
 
 def values_and_grads(fn, tensors, dout):
+    """fn's output and every input's gradient for the cotangent dout, on the CPU."""
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     out = fn(*leaves)
-    out.backward(dout)
-    return out.detach(), [t.grad for t in leaves]
+    out.backward(dout.to(out.device))
+    return out.detach().cpu(), [None if t.grad is None else t.grad.cpu() for t in leaves]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -95,13 +97,13 @@ def values_and_grads(fn, tensors, dout):
 def test_values_and_every_gradient_match_the_definition(case, kernel):
     """fp32 output and the gradients of x, pos, w1, b1, w2 against the block-by-block definition in
     fp64 (0 blocks: an empty output, and gradients that are there and zero)."""
-    tensors = inputs(case)
+    tensors = inputs(case, device=device_for(kernel))
     assert case.strided == (not tensors[0].is_contiguous())
     k = dict(block=case.block, stride=case.stride, first=case.first)
     # the output's gradient head-first, as a consumer that transposes the output passes it back: strided
     dout = torch.randn(case.batch, case.heads, case.blocks, case.dim,
                        generator=torch.Generator().manual_seed(1)).transpose(1, 2)
-    want, want_grads = values_and_grads(lambda *t: naive(*t, **k), [t.double() for t in tensors], dout.double())
+    want, want_grads = values_and_grads(lambda *t: naive(*t, **k), [t.cpu().double() for t in tensors], dout.double())
     got, grads = values_and_grads(lambda *t: compress_blocks(*t, **k, kernel=kernel), tensors, dout)
     assert got.shape == (case.batch, case.blocks, case.heads, case.dim) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
@@ -122,12 +124,13 @@ def test_bf16_inputs(kernel, weights):
     dtype, all within bf16's rounding of the definition. fp32 weights under a bf16 x (a model's
     parameters under autocast) only for the custom op: plain einsums take one dtype, autocast casts them."""
     case = Case(1, 30, 2, 16, 8, 4, hidden=24)
-    tensors = inputs(case)
+    tensors = inputs(case, device=device_for(kernel))
     x, params = tensors[0].bfloat16(), [t.bfloat16() if weights == "bf16-weights" else t for t in tensors[1:]]
     dout = torch.randn(1, case.blocks, 2, 16, generator=torch.Generator().manual_seed(1))
     k = dict(block=case.block, stride=case.stride)
     got, grads = values_and_grads(lambda *t: compress_blocks(*t, **k, kernel=kernel), [x, *params], dout.bfloat16())
-    want, want_grads = values_and_grads(lambda *t: naive(*t, **k), [t.double() for t in (x, *params)], dout.double())
+    want, want_grads = values_and_grads(lambda *t: naive(*t, **k), [t.cpu().double() for t in (x, *params)],
+                                        dout.double())
     assert got.dtype == torch.bfloat16 and [g.dtype for g in grads] == [t.dtype for t in (x, *params)]
     for name, value, reference in zip(("out", "x", "pos", "w1", "b1", "w2"), (got, *grads), (want, *want_grads)):
         error = (value.double() - reference).abs().max()
@@ -149,12 +152,12 @@ def test_triton_weight_gradients_split_over_features(monkeypatch):
     dim_head of 32 splits in two, and every gradient still matches the definition."""
     monkeypatch.setattr(compressor_triton, "WEIGHT_ROWS", 16)
     case = Case(1, 26, 2, 32, 6, 4, hidden=24)
-    tensors = inputs(case)
+    tensors = inputs(case, device=TRITON_DEVICE)
     dout = torch.randn(1, case.blocks, 2, 32)
     k = dict(block=case.block, stride=case.stride)
     with count_ops() as counts:
         _, grads = values_and_grads(lambda *t: compress_blocks(*t, **k, kernel="triton"), tensors, dout)
-    _, want_grads = values_and_grads(lambda *t: naive(*t, **k), [t.double() for t in tensors], dout.double())
+    _, want_grads = values_and_grads(lambda *t: naive(*t, **k), [t.cpu().double() for t in tensors], dout.double())
     assert counts.triton[-1].grid[0] == (6 * 2 + 1) * 2 + 1 * 2 * 1  # the split weight programs, then dx's
     for name, grad, want_grad in zip(("x", "pos", "w1", "b1", "w2"), grads, want_grads):
         torch.testing.assert_close(grad.double(), want_grad, atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
@@ -164,7 +167,7 @@ def test_triton_weight_gradients_split_over_features(monkeypatch):
 def test_triton_gradients_are_deterministic():
     """Every sum runs in a fixed order (no atomics): two backwards agree bit for bit."""
     case = Case(1, 24, 2, 16, 8, 4)
-    tensors = inputs(case)
+    tensors = inputs(case, device=TRITON_DEVICE)
     dout = torch.randn(1, case.blocks, 2, 16)
     runs = [values_and_grads(lambda *t: compress_blocks(*t, 8, 4, kernel="triton"), tensors, dout)[1]
             for _ in range(2)]
@@ -176,7 +179,7 @@ def test_triton_launches_within_budget():
     """Under op_counts: forward one launch (at most 2), backward two Triton launches, forward + backward
     at most 6 in all (aten and Triton), every Triton launch reported with 64 rows a program."""
     case = Case(1, 80, 2, 16, 8, 4)
-    x, pos, w1, b1, w2 = (t.requires_grad_() for t in inputs(case))
+    x, pos, w1, b1, w2 = (t.requires_grad_() for t in inputs(case, device=TRITON_DEVICE))
     with count_ops() as fwd:
         out = compress_blocks(x, pos, w1, b1, w2, 8, 4, kernel="triton")
     with count_ops() as bwd:
@@ -193,20 +196,20 @@ def test_custom_operators_pass_opcheck():
     """sparse_attention::compress_forward and compress_backward under torch.library.opcheck: schema,
     fake (meta) shapes, autograd registration, AOT dispatch, on a strided x."""
     case = Case(1, 14, 2, 16, 6, 4, hidden=24, first=1)
-    x, pos, w1, b1, w2 = inputs(case)
+    x, pos, w1, b1, w2 = inputs(case, device=TRITON_DEVICE)
     args = (x, pos.requires_grad_(), w1.requires_grad_(), b1, w2, case.block, case.stride, case.first)
     torch.library.opcheck(compress_forward, args)
-    dout = torch.randn(1, case.blocks, 2, 16)
+    dout = torch.randn(1, case.blocks, 2, 16, device=TRITON_DEVICE)
     torch.library.opcheck(compress_backward, (dout, x, pos.detach(), w1.detach(), b1, w2, case.block, case.stride,
                                               case.first), test_utils=("test_schema", "test_faketensor"))
 
 
 @triton
 def test_triton_refuses_what_it_does_not_take():
-    x, pos, w1, b1, w2 = inputs(Case(1, 16, 1, 24, 4, 4))
+    x, pos, w1, b1, w2 = inputs(Case(1, 16, 1, 24, 4, 4), device=TRITON_DEVICE)
     with pytest.raises(ValueError, match="kernel=triton needs dim_head=24 to be a power of two.*model.kernel=auto or torch"):
         compress_blocks(x, pos, w1, b1, w2, 4, 4, kernel="triton")
-    x, pos, w1, b1, w2 = inputs(Case(1, 16, 1, 16, 4, 4, hidden=300))
+    x, pos, w1, b1, w2 = inputs(Case(1, 16, 1, 16, 4, 4, hidden=300), device=TRITON_DEVICE)
     with pytest.raises(ValueError, match=r"hidden width \(300\) to be at most 256"):
         compress_blocks(x, pos, w1, b1, w2, 4, 4, kernel="triton")
 

@@ -66,12 +66,12 @@ def test_reverse_index_lists_each_query_once_per_key_tile_with_the_keys_it_chose
 
 def test_launches_report_their_tiles_and_the_pairs_they_need():
     gen = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 24, 2, 16, generator=gen, requires_grad=True)
-    k, v = (torch.randn(1, 24, 16, generator=gen, requires_grad=True) for _ in range(2))
+    q = torch.randn(1, 24, 2, 16, generator=gen).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(1, 24, 16, generator=gen).to(DEVICE).requires_grad_() for _ in range(2))
     indices = random_indices(1, 24, 0, 4, gen)
     needed = int((indices >= 0).sum()) * 2  # pairs per head of the group
     with counters.recording() as launches:
-        out, _ = gather_attention(q, k, v, indices, 0, "triton")
+        out, _ = gather_attention(q, k, v, indices.to(DEVICE), 0, "triton")
         out.sum().backward()
     names = [launch.kernel for launch in launches]
     assert names == ["gather_attention_forward", "gather_attention_backward_q", "gather_attention_backward_kv"]

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kernels.lightning_index import index_topk
 from kernels.lightning_index.naive import index_scores
 from kernels.lightning_index.naive import index_topk as naive
+from tests.helpers.kernel_checks import device_for
 
 CASES = [  # (batch, seq_q, start, heads, dim, top_k)
     (2, 37, 0, 3, 16, 7),  # more keys than slots after the first queries
@@ -40,7 +41,8 @@ def test_the_definition_keeps_the_highest_scores_never_a_later_key():
 @pytest.mark.parametrize("b,m,start,heads,d,top_k", CASES, ids=IDS)
 def test_matches_the_definition(b, m, start, heads, d, top_k, kernel):
     q, k, w = inputs(b, m, start, heads, d)
-    assert torch.equal(index_topk(q, k, w, start, top_k, kernel), naive(q, k, w, start, top_k))
+    kept = index_topk(*(t.to(device_for(kernel)) for t in (q, k, w)), start, top_k, kernel)
+    assert torch.equal(kept.cpu(), naive(q, k, w, start, top_k))
 
 
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
@@ -48,7 +50,7 @@ def test_ties_go_to_the_later_key_on_every_path(kernel):
     """Negative weights give exact zeros (ReLU) for many keys: the later ones are kept."""
     q, k, w = inputs(1, 24, 0, 2, 16)
     w = -w.abs()  # every score <= 0, most of them exactly 0
-    kept = index_topk(q, k, w, 0, 4, kernel)
+    kept = index_topk(*(t.to(device_for(kernel)) for t in (q, k, w)), 0, 4, kernel).cpu()
     assert torch.equal(kept, naive(q, k, w, 0, 4))
     scores = index_scores(q, k, w, 0)[0, 23]
     zeros = (scores == 0).nonzero().flatten()
@@ -75,7 +77,7 @@ def test_no_tensor_holds_every_query_against_every_key(kernel, n, monkeypatch):
     import kernels.lightning_index.triton as triton_path
 
     monkeypatch.setattr(triton_path, "_CHUNK", n * n // 16)  # the Triton test runs at an interpreter's size
-    q, k, w = inputs(1, n, 0, 2, 16)
+    q, k, w = (t.to(device_for(kernel)) for t in inputs(1, n, 0, 2, 16))
     with LargestTensor() as mode:
         index_topk(q, k, w, 0, 8, kernel)
     assert mode.largest <= n * n // 2

@@ -10,6 +10,7 @@ from models.attention.dsa import DeepSeekSparseAttention
 from models.lm import dsa_lm
 from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient,
                                             assert_causal_by_perturbation, assert_truncated_cache_forgets)
+from tests.helpers.kernel_checks import device_for
 
 STAGES = {"warm-up": 10, "sparse": 0}  # warmup_steps: a fresh model is in the warm-up, or sparse from the start
 
@@ -168,10 +169,11 @@ def test_triton_kernels_train_as_the_torch_path():
         torch.manual_seed(0)
         attn = DeepSeekSparseAttention(dim=32, heads=4, dim_head=16, kv_heads=2, index_heads=2, index_dim_head=16,
                                        top_k=6, warmup_steps=0, kl_weight=1.0, kernel=kernel).train()
-        x = torch.randn(1, 21, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        attn.to(device_for(kernel))
+        x = torch.randn(1, 21, 32, generator=torch.Generator().manual_seed(1)).to(device_for(kernel)).requires_grad_()
         out = attn(x)
-        results.append((out, attn.aux_loss, *torch.autograd.grad(out.square().sum() + attn.aux_loss,
-                                                                 [x, *attn.parameters()])))
+        results.append([t.cpu() for t in (out, attn.aux_loss, *torch.autograd.grad(out.square().sum() + attn.aux_loss,
+                                                                                   [x, *attn.parameters()]))])
     for expected, got in zip(*results):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 

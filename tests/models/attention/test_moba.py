@@ -10,6 +10,7 @@ from models.attention.moba import MixtureOfBlockAttention
 from models.lm import moba_lm
 from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient,
                                             assert_causal_by_perturbation, assert_truncated_cache_forgets)
+from tests.helpers.kernel_checks import device_for
 
 CPU_KERNEL = pytest.mark.skipif(not span_attention.available(), reason="no C compiler for the CPU kernel")
 # the torch path in float64 (exact checks); the C kernel and Triton (interpreted on a CPU) in fp32
@@ -83,8 +84,8 @@ def test_attention_follows_the_definition_on_every_kernel(block, top_k, n, own, 
     dtype = torch.float64 if kernel == "torch" else torch.float32
     torch.manual_seed(1)
     attn = MixtureOfBlockAttention(dim=16, heads=2, dim_head=16, kv_heads=2, block_size=block, top_k=top_k,
-                                   include_own_block=own, kernel=kernel).to(dtype)
-    x = torch.randn(2, n, 16, dtype=dtype, requires_grad=True)
+                                   include_own_block=own, kernel=kernel).to(device_for(kernel), dtype)
+    x = torch.randn(2, n, 16, dtype=dtype).to(device_for(kernel)).requires_grad_()
     out = attn(x)
     q = attn.to_q(x).unflatten(-1, (2, 16)).transpose(1, 2)
     k, v = attn.to_kv(x).unflatten(-1, (2, 2, 16)).permute(2, 0, 3, 1, 4)
