@@ -1,18 +1,25 @@
-"""Everything the GPU issues measure, one stage per call (each fits a 10-minute command), each
-stage's output to a log in the folder given:
+"""Everything the GPU issues measure, one stage per process, each stage's output to a log in the
+folder given:
 
+    python -m experiments.gpu_report OUT warm      # compile --launches' Triton kernels on every core first
     python -m experiments.gpu_report OUT devices   # first step's loss and gradients, CPU against CUDA, per LM
     python -m experiments.gpu_report OUT tests     # pytest -m "gpu or triton" -n 8: the suite's CUDA tier
     python -m experiments.gpu_report OUT kernels   # benchmark_kernels: layers at both settings, branches
     python -m experiments.gpu_report OUT models    # benchmark --device cuda: dense and NSA LMs, bf16
     python -m experiments.gpu_report OUT compile   # trainer.compile's modes: loss against eager, tokens/s, launches
     python -m experiments.gpu_report OUT decoding  # the speculative preset trained, then its decoding engines timed
-    python -m experiments.gpu_report OUT all       # each in its own process under its time limit (TIMEOUTS)
+    python -m experiments.gpu_report OUT warm kernels models   # several, in ORDER, each under its limit
+    python -m experiments.gpu_report OUT all       # every stage so
 
 Each log begins with the GPU's name, torch and triton versions, and the command. On a machine
-without CUDA it says so in one line and exits 2. With `all`, a stage that outlives its limit is
-killed and its log ends with a line saying so: a hang costs one stage, not the lease; the tests
-and the devices stage run side by side (neither is timed).
+without CUDA it says so in one line and exits 2. With several stages, each runs in a process of its
+own, and one that outlives its limit (TIMEOUTS) is killed and its log ends with a line saying so: a
+hang costs one stage, not the lease; the tests and the devices stage run side by side (neither is
+timed). Triton compiles each kernel the first time a process launches it, one at a time, seconds
+each (H100 machine, 2026-11-27: no row of the kernels stage within 160 s, nor of the models stage
+within 55 s); `warm` compiles on every core, ahead, the launches that `python -m
+experiments.bench.gpu_compile --save FILE` recorded on a CPU (--launches FILE), into Triton's cache,
+where the later stages find them.
 """
 
 import argparse
@@ -43,8 +50,9 @@ STAGES = {
 
 
 # seconds each stage may take under `all` (together under a 10-minute command, with the wheels' install)
-TIMEOUTS = {"kernels": 160, "models": 55, "tests": 140, "devices": 140, "compile": 110, "decoding": 100}
-ORDER = [("kernels",), ("models",), ("tests", "devices"), ("compile",), ("decoding",)]  # a tuple runs side by side
+TIMEOUTS = {"warm": 120, "kernels": 200, "models": 120, "tests": 150, "devices": 150, "compile": 130, "decoding": 120}
+ORDER = [("warm",), ("kernels",), ("models",), ("tests", "devices"), ("compile",), ("decoding",)]  # a tuple: side by side
+LAUNCHES = Path(".gpu/launches.json")  # warm's default input: carried to the GPU machine with the wheels
 
 
 def header() -> str:
@@ -271,7 +279,7 @@ def decoding(log) -> int:
     return status
 
 
-def run_stage(stage: str, out: Path) -> int:
+def run_stage(stage: str, out: Path, launches: Path = LAUNCHES) -> int:
     log = out / f"{stage}.log"
     started = time.perf_counter()
     with log.open("w") as f:
@@ -286,6 +294,11 @@ def run_stage(stage: str, out: Path) -> int:
                 status = max(status, int(line.startswith("FAILED")))
         elif stage == "decoding":
             status = decoding(f)
+        elif stage == "warm":
+            command = [sys.executable, "-m", "experiments.bench.gpu_compile", "--warm", str(launches)]
+            f.write(" ".join(command) + "\n")
+            f.flush()
+            status = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
         else:
             f.write(" ".join(STAGES[stage]) + "\n")
             f.flush()
@@ -295,13 +308,14 @@ def run_stage(stage: str, out: Path) -> int:
     return status
 
 
-def run_all(out: Path) -> int:
-    """Every stage in ORDER, each a process of its own killed (with its children) at its limit."""
+def run_all(out: Path, stages: Sequence[str], launches: Path = LAUNCHES) -> int:
+    """The stages named, in ORDER, each a process of its own killed (with its children) at its limit."""
     status = 0
     for group in ORDER:
+        group = [stage for stage in group if stage in stages]
         began = time.monotonic()
-        started = {stage: subprocess.Popen([sys.executable, "-m", "experiments.gpu_report", str(out), stage],
-                                           start_new_session=True) for stage in group}
+        started = {stage: subprocess.Popen([sys.executable, "-m", "experiments.gpu_report", str(out), stage,
+                                            "--launches", str(launches)], start_new_session=True) for stage in group}
         for stage, process in started.items():
             try:
                 status = max(status, process.wait(timeout=max(1.0, began + TIMEOUTS[stage] - time.monotonic())))
@@ -318,7 +332,8 @@ def run_all(out: Path) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="folder for the logs (created)")
-    parser.add_argument("stage", choices=["devices", *STAGES, "compile", "decoding", "all"])
+    parser.add_argument("stage", nargs="+", choices=[*TIMEOUTS, "all"])
+    parser.add_argument("--launches", type=Path, default=LAUNCHES, help="the warm stage's launches (gpu_compile --save)")
     args = parser.parse_args(argv)
     import torch
 
@@ -326,7 +341,9 @@ def main(argv=None) -> int:
         print("gpu_report: error: no CUDA device here: these stages measure a GPU", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    return run_all(args.out) if args.stage == "all" else run_stage(args.stage, args.out)
+    if args.stage == ["all"] or len(args.stage) > 1:
+        return run_all(args.out, list(TIMEOUTS) if "all" in args.stage else args.stage, args.launches)
+    return run_stage(args.stage[0], args.out, args.launches)
 
 
 if __name__ == "__main__":
