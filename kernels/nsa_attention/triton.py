@@ -62,8 +62,15 @@ def _meta(mask: int, q: Tensor, kv_heads: int, knobs: Knobs) -> dict:
     meta = dict(KVH=kv_heads, G=group, D=dim, BM=BM, BN=tile, MASK=mask, L=knobs.block, S=knobs.stride,
                 FINE=knobs.fine, FORCED_BLOCKS=knobs.forced, FREE=knobs.free if mask != WINDOW else 0,
                 W=knobs.window, SCALE=dim**-0.5, ROTARY=mask != COMPRESSED, USE_DOT=use_dot,
-                num_warps=4 if dim <= 64 else 8)
+                num_warps=4 if dim <= 64 else 8, num_stages=_stages(q.element_size() * dim))
     return meta
+
+
+def _stages(row_bytes: int) -> int:
+    """Software-pipelining depth: Triton's 3 on Hopper, but 2 where a row of a tile holds 512 bytes
+    or more (fp32 at dim_head 128): at 3, four kernels ask 256 to 304 KB of shared memory a program,
+    over an H100's 227 KB, and at 2 at most 208 KB (python -m experiments.bench.gpu_compile)."""
+    return 2 if row_bytes >= 512 else 3
 
 
 def _selection_meta(q: Tensor, kv_heads: int, knobs: Knobs) -> dict:
@@ -173,7 +180,7 @@ def _pairs(which: int, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stats: Tens
     pairs_kernel[grid](q, k, v, lse, stats, acc, phases, ranked, order, count.tensor, *_strides(q), *_strides(k),
                        *_strides(acc), start, n, k.shape[1], num_fine, KVH=kv_heads, G=meta["G"], D=dim, BM=BM,
                        BLOCK_PAD=meta["BN"], FINE=knobs.fine, FREE=knobs.free, SCALE=meta["SCALE"], USE_DOT=meta["USE_DOT"],
-                       COUNT=count.on, PASS=which, num_warps=meta["num_warps"])
+                       COUNT=count.on, PASS=which, num_warps=meta["num_warps"], num_stages=meta["num_stages"])
     count.record(f"selected_pairs_{('lse', 'output')[which]}", grid, BM, meta["BN"],
                  lambda: meta["G"] * chosen_pairs(start, knobs, blocks))
 
