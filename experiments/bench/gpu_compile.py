@@ -237,9 +237,11 @@ def lm_workload(overrides: Sequence[str], n: int, dtype) -> Callable[[], None]:
     from experiments.gpu_report import configured_lm
 
     def run() -> None:
-        build, cfg = configured_lm(*overrides, "model.kernel=triton")
+        from hydra.utils import instantiate
+
+        _, cfg = configured_lm(*overrides, "model.kernel=triton")
         torch.manual_seed(0)
-        model = build("cpu")
+        model = instantiate(cfg.model)  # configured_lm's build would take the torch path on a CPU
         x = torch.randint(0, cfg.model.num_tokens, (1, n + 1))
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten()).backward()
