@@ -82,6 +82,8 @@ class TrainerConfig:
     precision: Precision = MISSING
     clip_grad_norm: Optional[float] = MISSING  # null: no clipping
     resume: str = MISSING  # auto | never | <checkpoint file or run directory>
+    init_from: Optional[str] = MISSING  # a run directory or checkpoint whose matching weights start a new run
+    init_strict: bool = MISSING  # false: a weight whose shape differs is dropped (starts afresh), not refused
     threads: Optional[int] = MISSING  # torch intra-op threads on CPU; null: torch's default
     cpu_allocator: CpuAllocator = MISSING  # freed memory: back to the system, kept on the heap, or pooled by size
     progress: bool = MISSING  # tqdm progress bar on stderr
