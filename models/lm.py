@@ -111,10 +111,11 @@ def moba_lm(*, kernel="auto", attn_dropout: float = 0.0, **knobs) -> Transformer
     return _with_attention(MixtureOfBlockAttention, kernel, attn_dropout, knobs)
 
 
-def dsa_lm(*, kernel="auto", attn_dropout: float = 0.0, warmup_trains="all", **knobs) -> TransformerLM:
+def dsa_lm(*, kernel="auto", attn_dropout: float = 0.0, warmup_trains=None, **knobs) -> TransformerLM:
     """DSA's knobs (heads, dim_head, kv_heads, index_heads, index_dim_head, top_k, warmup_steps,
-    kl_weight, warmup_trains) beside the backbone's."""
-    knobs["warmup_trains"] = getattr(warmup_trains, "value", warmup_trains)
+    kl_weight, warmup_trains: None for the layer's default) beside the backbone's."""
+    if warmup_trains is not None:
+        knobs["warmup_trains"] = getattr(warmup_trains, "value", warmup_trains)
     return _with_attention(DeepSeekSparseAttention, kernel, attn_dropout, knobs)
 
 
