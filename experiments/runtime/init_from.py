@@ -64,7 +64,7 @@ def initialise(nets: dict[str, nn.Module], spec: str, model_cfg: dict, strict: b
             if prefix:  # a second member the source does not have: it starts afresh
                 continue
             task = (state.get("summary") or {}).get("task") or "?"
-            raise UserError(f"{KEY}={spec}: {path} is a checkpoint of a {theirs or 'different'} model (task {task}) "
+            raise UserError(f"{KEY}={spec}: {path} is a checkpoint of a {theirs or 'different model'} (task {task}) "
                             f"and this run trains a {ours}: point it at a run of the same kind of model")
         loads[prefix] = _matched(net, state[f"{prefix}model"], strict, spec)
     for prefix, (entries, _) in loads.items():  # every check passed: now the weights change
@@ -80,11 +80,11 @@ def _matched(net: nn.Module, source: dict, strict: bool, spec: str) -> tuple[dic
     own = net.state_dict()
     converted, origins = from_dense(source, net)
     offered = {**{k: v for k, v in source.items() if k not in origins.values()}, **converted}
-    entries, dropped = {}, []
-    for name, tensor in offered.items():
-        if name not in own or name.rsplit(".", 1)[-1] in RUN_STATE:
-            if name not in origins:
-                dropped.append(name)
+    entries = {}
+    dropped = [name for name in offered if name not in own]
+    for name in own:  # in the model's order: a refusal names its first misfit
+        tensor = offered.get(name)
+        if tensor is None or name.rsplit(".", 1)[-1] in RUN_STATE:
             continue
         if tensor.shape != own[name].shape:
             where = f"{name} (from {origins[name]})" if name in origins else name
@@ -110,7 +110,7 @@ def _matched(net: nn.Module, source: dict, strict: bool, spec: str) -> tuple[dic
 def _family(model_cfg) -> str:
     """What kind of model a config builds: its builder's module (models.lm, models.dvae, models.dalle)."""
     target = (model_cfg or {}).get("_target_") or ""
-    return {"models.lm": "language", "models.dvae": "dVAE", "models.dalle": "DALL-E"}.get(target.rsplit(".", 1)[0],
+    return {"models.lm": "language model", "models.dvae": "dVAE", "models.dalle": "DALL-E model"}.get(target.rsplit(".", 1)[0],
                                                                                         target or "unknown")
 
 
