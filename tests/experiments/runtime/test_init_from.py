@@ -187,3 +187,22 @@ def test_a_bad_source_stops_train_py_with_one_line(tmp_path):
         "checkpoints/step_*.pt): point it at a run directory that has written a checkpoint, or at a checkpoint file")
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---- the config: DSA's warm-up follows init_from ----------------------------------------------------
+
+
+def test_dsa_warms_up_its_indexer_alone_from_a_dense_run_and_everything_from_scratch(compose):
+    assert compose("model=dsa", "trainer.init_from=/runs/dense").model.warmup_trains.value == "indexer"
+    assert compose("model=dsa").model.warmup_trains.value == "all"
+    assert compose("model=dsa", "model.warmup_trains=all", "trainer.init_from=/d").model.warmup_trains.value == "all"
+
+
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
+def test_the_frozen_warm_up_is_refused_on_distributed_backends_in_one_line(compose, backend):
+    from experiments.config.checks import check_config
+
+    with pytest.raises(UserError, match=r"^model.warmup_trains=indexer \(the rest of the model frozen during DSA's "
+                                        r"warm-up\) runs on backend=local only for now"):
+        check_config(compose("model=dsa", f"backend={backend}", "trainer.init_from=/runs/dense"))
+    check_config(compose("model=dsa", f"backend={backend}", "trainer.init_from=/runs/dense", "model.warmup_trains=all"))
