@@ -12,7 +12,7 @@ from experiments.runtime import checkpoint
 from experiments.runtime.errors import UserError
 from experiments.runtime.init_from import initialise
 from models.lm import dsa_lm, moba_lm, nsa_lm, transformer_lm
-from tests.helpers.runs import TINY_LM, kill_after_first_checkpoint, read_metrics, read_summary, train
+from tests.helpers.runs import ROOT, TINY_LM, kill_after_first_checkpoint, read_metrics, read_summary, train
 
 SIZE = dict(num_tokens=32, dim=32, depth=2, heads=4, dim_head=8)
 DENSE_CFG = {"_target_": "models.lm.transformer_lm", **SIZE}
@@ -206,3 +206,21 @@ def test_the_frozen_warm_up_is_refused_on_distributed_backends_in_one_line(compo
                                         r"warm-up\) runs on backend=local only for now"):
         check_config(compose("model=dsa", f"backend={backend}", "trainer.init_from=/runs/dense"))
     check_config(compose("model=dsa", f"backend={backend}", "trainer.init_from=/runs/dense", "model.warmup_trains=all"))
+
+
+# ---- distributed backends: the weights load before the backend wraps the model -----------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
+def test_two_ranks_start_from_the_dense_run(tmp_path, backend):
+    from tests.experiments.runtime.test_distributed import torchrun
+
+    dense, sparse = tmp_path / "dense", tmp_path / "sparse"
+    train(dense, "trainer.max_steps=2")
+    result = torchrun(ROOT, f"hydra.run.dir={sparse}", *TINY_NSA, f"backend={backend}", "trainer.max_steps=2",
+                      f"trainer.init_from={dense}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = read_summary(sparse)
+    assert summary["status"] == "completed" and summary["init_from"]["step"] == 2
+    assert "blocks.*.attn.to_kv.weight" in summary["init_from"]["converted"]
