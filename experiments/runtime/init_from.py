@@ -110,8 +110,8 @@ def _matched(net: nn.Module, source: dict, strict: bool, spec: str) -> tuple[dic
 def _family(model_cfg) -> str:
     """What kind of model a config builds: its builder's module (models.lm, models.dvae, models.dalle)."""
     target = (model_cfg or {}).get("_target_") or ""
-    return {"models.lm": "language model", "models.dvae": "dVAE", "models.dalle": "DALL-E model"}.get(target.rsplit(".", 1)[0],
-                                                                                        target or "unknown")
+    families = {"models.lm": "language model", "models.dvae": "dVAE", "models.dalle": "DALL-E model"}
+    return families.get(target.rsplit(".", 1)[0], target or "unknown")
 
 
 def fingerprint(state: dict) -> str:

@@ -6,8 +6,9 @@ l' = fine_block_size, n = num_fine_selected, w = sliding_window_size.
 
 - compressed: blocks of l keys every d tokens, each compressed to one key (and one value) by an
   MLP over the block plus a learned intra-block position embedding (`compressor=mlp`), or by the
-  block's mean (`compressor=mean`, InfLLM-v2's: no parameters, so dense -> NSA adds none there). A block is visible to query t
-  only once it is complete (its last token <= t); a query that sees no block gets zeros, not NaN.
+  block's mean (`compressor=mean`, InfLLM-v2's: no parameters, so dense -> NSA adds none there).
+  A block is visible to query t only once it is complete (its last token <= t); a query that
+  sees no block gets zeros, not NaN.
 - selected: block importance is the compressed-attention probability summed over the query heads
   of a GQA group and spread onto the fine blocks by token overlap; each position keeps its top n
   fine blocks, always including its own block, the initial block and the previous block (in that
