@@ -33,6 +33,7 @@ def nsa_lm(
     fine_block_size: int,
     num_fine_selected: int,
     compress_hidden_mult: float = 1.0,
+    compressor="mlp",
     diff_topk: bool = False,
     branches=BRANCH_NAMES,
     gate_bias=(0.0, 0.0, 0.0),
@@ -53,6 +54,7 @@ def nsa_lm(
         fine_block_size=fine_block_size,
         num_fine_selected=num_fine_selected,
         compress_hidden_mult=compress_hidden_mult,
+        compressor=getattr(compressor, "value", compressor),
         diff_topk=diff_topk,
         branches=tuple(getattr(b, "value", b) for b in branches),
         gate_bias=tuple(gate_bias),
@@ -109,9 +111,11 @@ def moba_lm(*, kernel="auto", attn_dropout: float = 0.0, **knobs) -> Transformer
     return _with_attention(MixtureOfBlockAttention, kernel, attn_dropout, knobs)
 
 
-def dsa_lm(*, kernel="auto", attn_dropout: float = 0.0, **knobs) -> TransformerLM:
+def dsa_lm(*, kernel="auto", attn_dropout: float = 0.0, warmup_trains=None, **knobs) -> TransformerLM:
     """DSA's knobs (heads, dim_head, kv_heads, index_heads, index_dim_head, top_k, warmup_steps,
-    kl_weight) beside the backbone's."""
+    kl_weight, warmup_trains: None for the layer's default) beside the backbone's."""
+    if warmup_trains is not None:
+        knobs["warmup_trains"] = getattr(warmup_trains, "value", warmup_trains)
     return _with_attention(DeepSeekSparseAttention, kernel, attn_dropout, knobs)
 
 

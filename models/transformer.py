@@ -13,6 +13,7 @@ tensor set during forward), which the backbone sums into `TransformerLM.aux_loss
 which the task calls through `TransformerLM.after_optimizer_step()`.
 """
 
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -134,8 +135,12 @@ class TransformerLM(nn.Module):
         self.apply(_init_weights)
 
     def forward(self, tokens: Tensor, cache: Optional[list] = None, at: Optional[Tensor] = None) -> Tensor:
-        features = self.hidden(tokens, cache)
-        return self.to_logits(features if at is None else features[at])
+        # an attention that trains a part of its own alone this step (DSA's indexer warm-up) freezes the
+        # rest: no gradient reaches any other parameter, and the backward costs only that part's
+        frozen = self.training and any(getattr(b.attn, "freezes_model", False) for b in self.blocks)
+        with torch.no_grad() if frozen else nullcontext():
+            features = self.hidden(tokens, cache)
+            return self.to_logits(features if at is None else features[at])
 
     def embed(self, tokens: Tensor, start: int) -> Tensor:
         """tokens [batch, seq] at positions start.. -> [batch, seq, dim] (positions: the attention's)."""

@@ -1,4 +1,5 @@
-"""Resolvers the config names: `${job_subdir:...}` (conf/config.yaml's hydra.sweep.subdir)."""
+"""Resolvers the config names: `${job_subdir:...}` (conf/config.yaml's hydra.sweep.subdir) and
+`${from_dense:...}` (a model default that differs for a run started from trained weights)."""
 
 import os
 import sys
@@ -53,3 +54,11 @@ def _swept_keys(args: list[str]) -> Optional[set[str]]:
     except Exception:
         return None
     return {o.key_or_group for o in overrides if o.is_sweep_override()}
+
+
+def from_dense(converted: Any, scratch: Any, *, _root_: Any) -> Any:
+    """`${from_dense:a,b}`: a where trainer.init_from names weights the run starts from, else b (DSA's
+    warm-up trains the indexer alone from a trained dense model, everything from scratch)."""
+    from omegaconf import OmegaConf
+
+    return converted if OmegaConf.select(_root_, "trainer.init_from", default=None) else scratch

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from experiments.config.resolvers import job_subdir
+from experiments.config.resolvers import from_dense, job_subdir
 
 
 class Device(Enum):
@@ -44,6 +44,16 @@ class Kernel(Enum):
     torch = "torch"
     triton = "triton"
     cpu = "cpu"
+
+
+class Compressor(Enum):  # NSA's compressed branch: a learned MLP, or InfLLM-v2's parameter-free mean
+    mlp = "mlp"
+    mean = "mean"
+
+
+class WarmupTrains(Enum):  # what DSA's dense warm-up trains
+    indexer = "indexer"
+    all = "all"
 
 
 class Branch(Enum):  # NSA's three branches
@@ -82,6 +92,8 @@ class TrainerConfig:
     precision: Precision = MISSING
     clip_grad_norm: Optional[float] = MISSING  # null: no clipping
     resume: str = MISSING  # auto | never | <checkpoint file or run directory>
+    init_from: Optional[str] = MISSING  # a run directory or checkpoint whose matching weights start a new run
+    init_strict: bool = MISSING  # false: a weight whose shape differs is dropped (starts afresh), not refused
     threads: Optional[int] = MISSING  # torch intra-op threads on CPU; null: torch's default
     cpu_allocator: CpuAllocator = MISSING  # freed memory: back to the system, kept on the heap, or pooled by size
     progress: bool = MISSING  # tqdm progress bar on stderr
@@ -137,6 +149,7 @@ class NSAConfig(TransformerConfig):
     compress_stride: int = MISSING
     fine_block_size: int = MISSING
     num_fine_selected: int = MISSING
+    compressor: Compressor = MISSING  # mlp (the paper's) | mean (InfLLM-v2's: no parameters)
     compress_hidden_mult: float = MISSING  # hidden width of the compression MLP, in dim_head units
     diff_topk: bool = MISSING  # selection passes gradient to the compressed keys (straight-through)
     branches: list[Branch] = MISSING  # the branches whose gates are free; the others held at 0 (ablations)
@@ -183,6 +196,7 @@ class DSAConfig(TransformerConfig):
     top_k: int = MISSING  # tokens each query attends to
     warmup_steps: int = MISSING  # optimizer steps of dense attention while the indexer learns to match it
     kl_weight: float = MISSING  # of the indexer's KL loss (it trains the indexer alone)
+    warmup_trains: WarmupTrains = MISSING  # indexer: the rest frozen during warm-up (the report's); all: everything
     kernel: Kernel = MISSING
 
 
@@ -474,3 +488,4 @@ def register() -> None:
         for name, node in options.items():
             cs.store(name=f"{group}_{name}_schema", node=node)
     OmegaConf.register_new_resolver("job_subdir", job_subdir, replace=True)
+    OmegaConf.register_new_resolver("from_dense", from_dense, replace=True)

@@ -55,20 +55,24 @@ def resolve(spec: str | Path, key: str = "trainer.resume") -> Path:
     return path
 
 
-def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
-    """Load a checkpoint safely (weights_only), with one clear message if it is not ours."""
+def load(path: Path, map_location: str | torch.device = "cpu", key: str = "trainer.resume") -> dict:
+    """Load a checkpoint safely (weights_only), with one clear message if it is not ours; `key`
+    names the setting that pointed at it (the message's advice differs)."""
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
+        advice = ("point trainer.init_from at a run directory or at one of its checkpoints/step_*.pt"
+                  if key == "trainer.init_from" else
+                  "delete it to resume from an older checkpoint, or start afresh with trainer.resume=never in a "
+                  "new hydra.run.dir")
         raise UserError(
             f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}). "
-            "It is corrupt, truncated or not a torch file: delete it to resume from an older "
-            "checkpoint, or start afresh with trainer.resume=never in a new hydra.run.dir"
+            f"It is corrupt, truncated or not a torch file: {advice}"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(
             f"checkpoint {path} was not written by this project (expected format {FORMAT!r}); "
-            "point trainer.resume at one of this project's checkpoints or run directories"
+            f"point {key} at one of this project's checkpoints or run directories"
         )
     return state
 

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from experiments.runtime import checkpoint
+from experiments.runtime import checkpoint, init_from
 from experiments.runtime.errors import TrainingError, UserError
 from experiments.runtime.throughput import device_name, matmul_peak_flops
 from experiments.tasks import positions
@@ -37,6 +37,7 @@ class Loop:
         self.backend, self.data, self.tracker = backend, data, tracker
         self.optimizer, self.schedule = optimizer, schedule
         self.models = models
+        self.init_report = None  # what trainer.init_from loaded, when this session starts from it
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         self.ctx = Context(run=run, cfg=cfg, backend=backend, data=data, tracker=tracker)
         task.attach(self.ctx)
@@ -53,6 +54,11 @@ class Loop:
         resume_from, state = self._find_checkpoint()
         if state is not None:  # weights before the backend wraps the models (DeepSpeed copies them)
             self._load_models(state, resume_from, nets)
+        elif self.trainer.init_from:  # a new run from another's weights: read only when it starts
+            self.init_report = init_from.initialise(
+                nets, self.trainer.init_from, strict=self.trainer.init_strict,
+                model_cfg={prefix: OmegaConf.to_container(self.cfg[slot], resolve=True)
+                           for slot, prefix in _SLOTS.items() if prefix in nets})
         device = backend.device
         # counted before the backend wraps the models (ZeRO-3 partitions the parameters)
         self.param_counts = {prefix: sum(p.numel() for p in net.parameters()) for prefix, net in nets.items()}
@@ -78,6 +84,10 @@ class Loop:
             matmul_peak_gflops=round(self.peak_flops / 1e9, 1),
             step=0,
         )
+        if self.init_report is not None:
+            run.update_summary(init_from=self.init_report)
+            for line in init_from.describe(self.init_report):
+                log.info(line)
         self._throughput: list[tuple[float, float, int]] = []  # (tokens/s, FLOPs/token, steps) per window
         start = self._restore(resume_from, state)
         run.accept(start)
@@ -221,6 +231,7 @@ class Loop:
             "data_fingerprint": self.data.fingerprint,
             "wall_s": self.run.wall_s(),
             "summary": dict(self.run.summary),
+            "init_from": self.run.summary.get("init_from"),  # the weights this run started from, if any
             **self.task.checkpoint_extras(),
         })
         for m in self.members:
@@ -232,6 +243,9 @@ class Loop:
         """The checkpoint trainer.resume names, loaded (None, None when there is none)."""
         spec = self.trainer.resume
         own = checkpoint.latest(self.run.checkpoint_dir)
+        if self.trainer.init_from and spec not in ("auto", "never"):
+            raise UserError(f"trainer.resume={spec} and trainer.init_from={self.trainer.init_from} both name weights "
+                            "to start from: keep trainer.init_from (a new run from its weights) and trainer.resume=auto")
         if spec == "never":
             if own is not None:
                 raise UserError(
@@ -269,6 +283,9 @@ class Loop:
         earlier = {k: v for k, v in state["summary"].items() if k not in ("status", "error", "pid", "host")}
         self.run.update_summary(**earlier)
         log.info("resumed from %s at step %d", path, step)
+        if self.trainer.init_from:
+            log.info("trainer.init_from=%s is not read again: a resumed run goes on from its own weights",
+                     self.trainer.init_from)
         return step
 
     def _load_models(self, state: dict, path, nets: dict) -> None:

@@ -87,6 +87,17 @@ def _first_layer(x: Tensor, w1: Tensor, nc: int, block: int, stride: int) -> Ten
     return sum(terms[:, i: i + nc, :, i] for i in range(r))
 
 
+def compress_mean(x: Tensor, block: int, stride: int, first: int = 0) -> Tensor:
+    """InfLLM-v2's parameter-free compressor: each complete block's mean, x [batch, seq, heads,
+    dim_head] -> [batch, blocks, heads, dim_head] from block index `first` on. Plain torch on every
+    device: it is an average of a few tokens, whatever path the attention then runs on."""
+    x = x[:, first * stride:]
+    nc = num_blocks(x.shape[1], block, stride, 0)
+    if nc == 0:  # no complete block: an empty result that still passes (zero) gradients to x
+        return x[:, :0]
+    return x[:, : (nc - 1) * stride + block].unfold(1, block, stride).mean(-1)  # [b, nc, heads, d]
+
+
 @torch.library.custom_op("sparse_attention::compress_forward", mutates_args=())
 def compress_forward(x: Tensor, pos: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, block: int, stride: int,
                      first: int) -> Tensor:

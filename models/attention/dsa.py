@@ -15,9 +15,12 @@ Training follows the report's two stages, counted in optimizer steps (`steps`, a
 the model and advanced by `after_optimizer_step`, which the training loop calls):
 - warm-up (the first `warmup_steps`): attention is dense, and the indexer learns to match it: the
   auxiliary loss is kl_weight * the mean over queries of KL(p_t || softmax(I(t, :))), with p_t the
-  dense attention's distribution over the keys s <= t averaged over the heads. The report starts
-  from a trained dense model and freezes it meanwhile; here a model may start from scratch, so the
-  rest of the model keeps learning from the language-model loss during warm-up.
+  dense attention's distribution over the keys s <= t averaged over the heads. `warmup_trains`
+  says what else learns meanwhile: `indexer`, as the report (which starts from a trained dense
+  model, trainer.init_from): the rest of the model is frozen: it runs without gradient
+  (`freezes_model`, read by the backbone), so only the indexer's parameters get gradients and
+  nothing else changes; `all`, for a model trained from scratch: the rest keeps learning from the
+  language-model loss during warm-up.
 - sparse training: attention over the top_k tokens, and the KL over the chosen tokens alone, with
   p_t the sparse attention's distribution over them.
 In both stages the indexer reads its input detached and the target is detached, so the KL trains
@@ -26,6 +29,7 @@ auxiliary loss is `aux_loss` (in training only), which the language-model task a
 as Routing's commitment loss.
 """
 
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -93,11 +97,15 @@ class DeepSeekSparseAttention(nn.Module):
         top_k: int,
         warmup_steps: int,
         kl_weight: float,
+        warmup_trains: str = "all",
         dropout: float = 0.0,
         kernel: str = "auto",
     ):
         super().__init__()
         _check(heads, kv_heads, dim_head, index_heads, index_dim_head, top_k, warmup_steps, kl_weight, dropout, kernel)
+        if warmup_trains not in ("indexer", "all"):
+            raise ValueError(f"warmup_trains={warmup_trains} must be indexer or all: set model.warmup_trains")
+        self.warmup_trains = warmup_trains
         self.heads, self.kv_heads, self.dim_head = heads, kv_heads, dim_head
         self.group = heads // kv_heads
         self.top_k, self.warmup_steps, self.kl_weight = top_k, warmup_steps, kl_weight
@@ -115,6 +123,12 @@ class DeepSeekSparseAttention(nn.Module):
         """Whether attention is dense and the indexer learns to match it (the first warmup_steps)."""
         return self.warmup_steps > 0 and int(self.steps) < self.warmup_steps
 
+    @property
+    def freezes_model(self) -> bool:
+        """Whether this training step trains the indexer alone (warm-up with warmup_trains=indexer):
+        the backbone then runs the model without gradient, and this layer its indexer with it."""
+        return self.training and self.warming_up and self.warmup_trains == "indexer"
+
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
         self.steps += 1
@@ -125,13 +139,16 @@ class DeepSeekSparseAttention(nn.Module):
         q = rearrange(self.to_q(x), "b n (h g d) -> b h g n d", h=self.kv_heads, g=self.group)
         k, v = rearrange(self.to_kv(x), "b n (s h d) -> s b h n d", s=2, h=self.kv_heads)
         q, k = self.rotary(q.flatten(1, 2), start).view_as(q), self.rotary(k, start)
-        index_q, index_k, index_w = self.indexer(x.detach(), start)  # the KL trains the indexer alone
+        frozen = self.freezes_model  # the model runs without gradient: the indexer and its KL need one
+        with torch.enable_grad() if frozen else nullcontext():
+            index_q, index_k, index_w = self.indexer(x.detach(), start)  # the KL trains the indexer alone
         if cache is not None:
             k, v, index_k = kv_cache.append(cache, start, k=k, v=v, index_k=index_k)
         learn = self.training and self.kl_weight > 0
         if self.warming_up:
             out = self._dense(q, k, v, start)
-            self.aux_loss = self.kl_weight * self._dense_kl(q, k, index_q, index_k, index_w) if learn else None
+            with torch.enable_grad() if frozen else nullcontext():
+                self.aux_loss = self.kl_weight * self._dense_kl(q, k, index_q, index_k, index_w) if learn else None
         else:
             with torch.no_grad():
                 chosen = index_topk(index_q, index_k, index_w, start, self.top_k, self.kernel)  # [b, m, top_k]

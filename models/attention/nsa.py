@@ -5,8 +5,10 @@ Notation of the paper -> knob: l = compress_block_size, d = compress_stride,
 l' = fine_block_size, n = num_fine_selected, w = sliding_window_size.
 
 - compressed: blocks of l keys every d tokens, each compressed to one key (and one value) by an
-  MLP over the block plus a learned intra-block position embedding. A block is visible to query t
-  only once it is complete (its last token <= t); a query that sees no block gets zeros, not NaN.
+  MLP over the block plus a learned intra-block position embedding (`compressor=mlp`), or by the
+  block's mean (`compressor=mean`, InfLLM-v2's: no parameters, so dense -> NSA adds none there).
+  A block is visible to query t only once it is complete (its last token <= t); a query that
+  sees no block gets zeros, not NaN.
 - selected: block importance is the compressed-attention probability summed over the query heads
   of a GQA group and spread onto the fine blocks by token overlap; each position keeps its top n
   fine blocks, always including its own block, the initial block and the previous block (in that
@@ -39,7 +41,7 @@ from torch import Tensor, nn
 from kernels import dispatch
 from kernels.nsa_attention import BRANCHES, compressed_blocks, cpu_built, nsa_attention, triton_problem
 from kernels.nsa_attention.blocks import BlockRules
-from kernels.nsa_attention.compressor import compress_blocks
+from kernels.nsa_attention.compressor import compress_blocks, compress_mean
 from models.attention import cache as kv_cache
 from models.attention.knobs import check_at_least_1, check_gqa
 from models.recompute import RecomputedLayers, recomputation_pays
@@ -133,6 +135,22 @@ class BlockCompressor(nn.Module):
         return compress_blocks(x, self.pos, self.w1, self.b1, self.w2, self.block, self.stride, first, kernel)
 
 
+class MeanCompressor(nn.Module):
+    """InfLLM-v2's compressor: each block of keys (and of values) is its mean, with no parameters, so a
+    dense model converted to NSA gains none there; the same interface as BlockCompressor."""
+
+    def __init__(self, block: int, stride: int):
+        super().__init__()
+        self.block, self.stride = block, stride
+
+    def num_blocks(self, seq: int) -> int:
+        return compressed_blocks(seq, self.block, self.stride)
+
+    def forward(self, x: Tensor, first: int = 0, kernel: str = "auto") -> Tensor:
+        """x [batch, seq, 2 * kv_heads, dim_head] -> [batch, blocks, 2 * kv_heads, dim_head]."""
+        return compress_mean(x, self.block, self.stride, first)
+
+
 class InputProjection(nn.Module):
     """x [b, n, dim] -> the query, key/value and gate-logit projections side by side, as one product
     (their weights concatenated: the copy is weight-sized, not token-sized), without the gates' bias;
@@ -165,6 +183,7 @@ class NativeSparseAttention(nn.Module):
         fine_block_size: int,
         num_fine_selected: int,
         compress_hidden_mult: float = 1.0,
+        compressor: str = "mlp",
         diff_topk: bool = False,
         branches: tuple[str, ...] = BRANCH_NAMES,
         gate_bias: tuple[float, ...] = (0.0,) * BRANCHES,
@@ -200,7 +219,10 @@ class NativeSparseAttention(nn.Module):
         self._project = (InputProjection((self.to_q, self.to_kv, self.to_gates),
                                          [heads * dim_head, *kv_widths, BRANCHES * heads]),)
         hidden = max(1, int(dim_head * compress_hidden_mult))
-        self.compressor = BlockCompressor(kv_heads, compress_block_size, compress_stride, dim_head, hidden)
+        if compressor not in ("mlp", "mean"):
+            raise ValueError(f"compressor={compressor} must be mlp or mean: set model.compressor")
+        self.compressor = (BlockCompressor(kv_heads, compress_block_size, compress_stride, dim_head, hidden)
+                           if compressor == "mlp" else MeanCompressor(compress_block_size, compress_stride))
         self.rotary = Rotary(dim_head)
         self.selections: Optional[list[Selection]] = None  # set by recording_selection
 

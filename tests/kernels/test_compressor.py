@@ -217,3 +217,24 @@ def test_triton_refuses_what_it_does_not_take():
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="kernel='cuda'"):
         compress_blocks(*inputs(Case(1, 16, 1, 16, 4, 4)), 4, 4, kernel="cuda")
+
+
+# ---- compress_mean: InfLLM-v2's parameter-free compressor (model.compressor=mean) -----------------
+
+
+@pytest.mark.parametrize("seq,block,stride,first", [(23, 4, 2, 0), (23, 4, 2, 3), (16, 4, 4, 0), (17, 5, 3, 1),
+                                                    (3, 4, 2, 0)])
+def test_compress_mean_is_each_complete_blocks_mean(seq, block, stride, first):
+    """Block c of out is the mean of tokens [(first + c) * stride, (first + c) * stride + block), written
+    out block by block; the gradient reaches each token once per block that holds it."""
+    from kernels.nsa_attention.compressor import compress_mean
+
+    x = torch.randn(2, seq, 3, 8, dtype=torch.float64, requires_grad=True)
+    out = compress_mean(x, block, stride, first)
+    starts = range(first * stride, seq - block + 1, stride)
+    expected = torch.stack([x[:, s: s + block].mean(1) for s in starts], 1) if starts else x[:, :0]
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-15)
+    weights = torch.randn_like(out)
+    (grad,) = torch.autograd.grad((out * weights).sum(), x)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), x)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-15)

@@ -239,3 +239,62 @@ def test_trains_on_cuda(tmp_path, precision):
     from tests.helpers.runs import TINY
 
     assert_loss_falls(train_on_cuda(tmp_path, precision, *DSA_RUN, base=TINY))
+
+
+# ---- warm-up from a trained dense model: the indexer alone learns (model.warmup_trains) ------------
+
+
+def train_steps(model, steps: int, seed: int = 0):
+    """`steps` AdamW steps (weight decay on) of the LM loss plus the KL -> the parameter names that got a
+    gradient at each step."""
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    touched = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 32, (2, 17), generator=gen)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss()
+        loss.backward()
+        touched.append({n for n, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.after_optimizer_step()
+    return touched
+
+
+def test_indexer_warm_up_trains_the_indexer_alone_and_leaves_the_rest_unchanged_to_the_bit():
+    model = tiny_dsa("warm-up", warmup_trains="indexer").train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    indexer = {n for n in before if ".attn.indexer." in n}
+    assert indexer and len(indexer) < len(before)
+    assert train_steps(model, 3) == [indexer] * 3
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) != (name in indexer), name
+
+
+def test_after_the_indexer_warm_up_everything_trains():
+    model = tiny_dsa("warm-up", warmup_trains="indexer", warmup_steps=1).train()
+    everything = {n for n, _ in model.named_parameters()}
+    touched = train_steps(model, 2)
+    assert touched[0] == {n for n in everything if ".attn.indexer." in n} and touched[1] == everything
+
+
+def test_warm_up_of_everything_trains_every_parameter():
+    model = tiny_dsa("warm-up", warmup_trains="all").train()
+    assert train_steps(model, 1) == [{n for n, _ in model.named_parameters()}]
+
+
+def test_the_indexer_warm_up_computes_what_warm_up_of_everything_does():
+    """Freezing changes what learns, not the forward: the same logits and the same KL."""
+    tokens = torch.randint(0, 32, (2, 19))
+    results = []
+    for trains in ("indexer", "all"):
+        model = tiny_dsa("warm-up", warmup_trains=trains).train()
+        results.append((model(tokens), model.aux_loss()))
+    assert torch.equal(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-12, atol=0)  # summed in another order
+
+
+def test_warmup_trains_must_be_indexer_or_all():
+    with pytest.raises(ValueError, match="warmup_trains=rest must be indexer or all"):
+        layer("warm-up", warmup_trains="rest")

@@ -569,3 +569,32 @@ def test_triton_kernels_compile_whole_and_train_as_eager():
         results.append((out, *torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])))
     for eager, traced in zip(*results):
         torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+
+
+# ---- compressor=mean (InfLLM-v2's: no parameters) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_mean_compressor_has_no_parameters_and_trains_as_the_torch_path(kernel):
+    knobs = dict(dim=32, heads=4, dim_head=8, **KNOBS, compressor="mean")
+    assert not [n for n, _ in NativeSparseAttention(**knobs).named_parameters() if "compressor" in n]
+    assert_trains_as_the_torch_path(knobs, kernel, 37)
+
+
+def test_mean_compressor_feeds_the_compressed_branch_the_block_means():
+    """With only the compressed branch open, the output is attention over the blocks' mean keys and values."""
+    from models.attention.nsa import MeanCompressor
+
+    attn = NativeSparseAttention(dim=32, heads=4, dim_head=8, **KNOBS, compressor="mean", kernel="torch")
+    assert isinstance(attn.compressor, MeanCompressor)
+    x = torch.randn(1, 13, 2, 8)
+    blocks = attn.compressor(x)
+    starts = range(0, 13 - 4 + 1, 2)
+    torch.testing.assert_close(blocks, torch.stack([x[:, s: s + 4].mean(1) for s in starts], 1))
+
+
+def test_mean_compressor_decodes_as_the_parallel_forward():
+    from tests.helpers.attention_checks import assert_cached_decoding_equals_parallel
+
+    model = tiny_nsa(compressor="mean", kernel="torch").double()
+    assert_cached_decoding_equals_parallel(model, torch.randint(0, 64, (2, 23)), [5, 1, 7, 10])
