@@ -1,4 +1,4 @@
-"""The layer and branch benchmark (experiments/benchmark_kernels.py, run as a command) runs its own
+"""The layer and branch benchmark (experiments/bench/kernels.py, run as a command) runs its own
 code on a CPU (tiny setting; the Triton kernels in the interpreter): every row is measured, and
 the ratios are against the dense layer of the run; --count counts what each layer launches and
 estimates both layers' time on an H100. Its library (experiments/bench/) is tested directly: the
@@ -21,12 +21,12 @@ TINY_CPU = ["--device", "cpu", "--setting", "tiny", "--lengths", "32", "--dtype"
 
 
 def command(args: list[str], interpret: bool = True) -> str:
-    """What `python -m experiments.benchmark_kernels args` prints, run as a user runs it, in a child
+    """What `python -m experiments.bench.kernels args` prints, run as a user runs it, in a child
     process (triton reads TRITON_INTERPRET when first imported)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    child = subprocess.run([sys.executable, "-m", "experiments.benchmark_kernels", *args], cwd=ROOT,
+    child = subprocess.run([sys.executable, "-m", "experiments.bench.kernels", *args], cwd=ROOT,
                            capture_output=True, text=True, timeout=600, env=env)
     assert child.returncode == 0, child.stderr[-3000:]
     return child.stdout
@@ -209,7 +209,7 @@ def test_the_dense_layers_forward_launches_its_three_projections_and_attention()
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts on the GPU there")
 def test_count_where_triton_is_imported_without_the_interpreter_says_how_to_get_it():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    code = ("import sys, runpy, triton; sys.argv = ['benchmark_kernels.py', '--count']; "
-            "runpy.run_module('experiments.benchmark_kernels', run_name='__main__')")
+    code = ("import sys, runpy, triton; sys.argv = ['kernels.py', '--count']; "
+            "runpy.run_module('experiments.bench.kernels', run_name='__main__')")
     child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert child.returncode == 2 and "set TRITON_INTERPRET=1" in child.stderr
