@@ -113,11 +113,11 @@ def _fails(run, *overrides):
     return result.stderr
 
 
-# one train.py per stage that refuses (composition, the config's checks, a part that reads a file); every
-# message of each stage is checked in process by tests/test_bad_input.py, against the functions train.py calls
+# one train.py per stage that refuses: composition here, a part that reads a file here, the config's checks in
+# tests/experiments/runtime/test_backends.py (a bad backend key); every message of each stage is checked in
+# process by tests/test_bad_input.py, against the functions train.py calls
 @pytest.mark.parametrize("override,message", [
     ("model=nope", "Could not find 'model/nope'"),
-    ("data.seq_len=0", "data.seq_len=0 must be at least 1"),
     ("data.path=/nonexistent/corpus.txt", "data.path=/nonexistent/corpus.txt: no such file"),
 ])
 def test_bad_input_gets_one_clear_message(tmp_path, override, message):

@@ -101,15 +101,25 @@ def test_dalle_with_deepspeed(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 6
 
 
-def test_tasks_refuse_models_they_cannot_train(tmp_path):
-    quick = ["tracker=none", "trainer.progress=false", "trainer.max_steps=1"]
+def test_tasks_refuse_models_they_cannot_train(tmp_path, compose):
+    """Each task's setup refuses the model it cannot train (in process, as train.py builds them); one of
+    them as train.py runs it: one line, no traceback."""
+    from experiments.runtime.build import build
+    from experiments.runtime.errors import UserError
+
     cases = ((["model=dvae"], "task=lm trains language models"),
              (["task=dvae", "data=shapes"], "task=dvae trains a discrete VAE"),
              (["task=dalle", "data=shapes"], "task=dalle needs model=dalle"))
-    for i, (overrides, message) in enumerate(cases):
-        result = train(tmp_path / str(i), *overrides, base=quick, check=False)
-        assert result.returncode != 0 and message in result.stderr, result.stderr
-        assert "Traceback" not in result.stderr
+    for overrides, message in cases:
+        cfg = compose(*overrides)
+        task = build(cfg.task, "task")
+        task.ctx = None  # the run's context (data, device), which setup reads only after these checks
+        with pytest.raises(UserError, match=message):
+            task.setup({"": build(cfg.model, "model")})
+    quick = ["tracker=none", "trainer.progress=false", "trainer.max_steps=1"]
+    result = train(tmp_path / "run", "model=dvae", base=quick, check=False)
+    assert result.returncode != 0 and "task=lm trains language models" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.gpu
