@@ -18,26 +18,10 @@ def pytest_collection_modifyitems(config, items):
     `triton` test, which then runs its kernels on the GPU, belongs to it too."""
     cuda = torch.cuda.is_available()
     for item in items:
-        if group := shared_setup(item):
-            item.add_marker(pytest.mark.xdist_group(group))
         if cuda and item.get_closest_marker("triton"):
             item.add_marker(pytest.mark.gpu)
         elif not cuda and item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
-
-
-def shared_setup(item) -> str | None:
-    """The xdist group of a test that uses one of the suite's module- or session-scoped fixtures (a
-    run, a sweep, a cluster): under `pytest -n` with `--dist loadgroup` (pyproject's addopts) every
-    test of a group runs on one worker, so the setup is built once, not once per worker."""
-    for name in item.fixturenames:
-        defs = item._fixtureinfo.name2fixturedefs.get(name)
-        if not defs or defs[-1].scope not in ("module", "session"):
-            continue
-        if not getattr(defs[-1].func, "__module__", "").startswith("tests."):
-            continue  # pytest's own (tmp_path_factory, ...)
-        return name if defs[-1].scope == "session" else f"{item.nodeid.split('::')[0]}::{name}"
-    return None
 
 
 @pytest.fixture
