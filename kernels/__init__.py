@@ -1,10 +1,16 @@
-"""Attention kernels, one package each: `naive.py` (the simplest readable reference), `reference.py`
-(the chunked plain-PyTorch path), `triton.py` where there is a Triton kernel, a `.c` file where
-there is a CPU kernel (compiled on first use by native.py, sharing native.h), and the operator in
-the package's `__init__.py`, which picks among them by the one rule of dispatch.py. Shared: native.py
-(building the C kernels), triton_tiles.py (tile products of the Triton kernels), counters.py (what
-each launch walks, so a CPU can check a GPU's costs), flops.py. Nothing here imports models/ or
-experiments/, and nothing imports Triton until a Triton kernel runs."""
+"""Attention kernels, one package each. Every package has `naive.py` (the simplest readable
+reference) and its operator in `__init__.py`, which, where there are several paths, picks among them
+by the one rule of dispatch.py; the paths differ by package:
+
+    gather_attention, lightning_index, selected_attention   reference.py (chunked PyTorch), triton.py
+    span_attention                                          span_attention.c (the CPU kernel) alone
+    nsa_attention                                           the three branches over several files: chunked and
+                                                            tiled torch, selection.c and cpu.py, fused Triton
+
+C files are compiled on first use by native.py, sharing native.h. Shared: native.py, triton_tiles.py
+(tile products of the Triton kernels), counters.py (what each launch walks, so a CPU can check a
+GPU's costs), flops.py, recompute.py. Nothing here imports models/ or experiments/, and nothing
+imports Triton until a Triton kernel runs."""
 
 import torch
 

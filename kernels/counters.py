@@ -1,5 +1,5 @@
 """What our Triton kernels launch, read while `recording()` is open, so that a CPU can check what
-decides their speed on a GPU (experiments/benchmark_kernels.py --count holds them to budgets).
+decides their speed on a GPU (experiments/bench/kernels.py --count holds them to budgets).
 
 Each launch site reports one `Launch`: the kernel's name, its grid, its tile (query rows per
 program, keys per tile), and, for attention kernels, the (query row, key) pairs inside the tiles

@@ -95,7 +95,7 @@ def test_the_shipped_options_and_presets_pass(compose):
 
 
 COMPOSITION_CASES = [
-    (["trainer.max_stepz=3"], "did you mean trainer.max_steps?"),
+    (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'; did you mean trainer.max_steps?"),
     (["model.depth=two"], "model.depth=two; Value 'two' of type 'str' could not be converted to Integer"),
     (["model=nope"], "Could not find 'model/nope'; Available options in 'model': dalle; dsa; dvae; moba; nsa"),
     (["trainer.precision=fp8"], "trainer.precision=fp8"),
@@ -193,14 +193,14 @@ def test_deepspeed_config_files(tmp_path):
 # ---- command-line tools --------------------------------------------------------------------------
 
 FLAG_CASES = [
-    ("experiments.speculative", ["RUN", "--gamma", "0"], "--gamma=0 must be at least 1"),
-    ("experiments.speculative", ["RUN", "--length", "-5"], "--length=-5 must be at least 1"),
-    ("experiments.speculative", ["RUN", "--top-k", "0"], "--top-k=0 must be at least 1, or leave the flag out"),
-    ("experiments.speculative", ["RUN", "--threads", "0"], "--threads=0 must be at least 1"),
-    ("experiments.speculative", ["RUN", "--engine", "static", "--temperature", "0.8"],
+    ("experiments.generate.speculative", ["RUN", "--gamma", "0"], "--gamma=0 must be at least 1"),
+    ("experiments.generate.speculative", ["RUN", "--length", "-5"], "--length=-5 must be at least 1"),
+    ("experiments.generate.speculative", ["RUN", "--top-k", "0"], "--top-k=0 must be at least 1, or leave the flag out"),
+    ("experiments.generate.speculative", ["RUN", "--threads", "0"], "--threads=0 must be at least 1"),
+    ("experiments.generate.speculative", ["RUN", "--engine", "static", "--temperature", "0.8"],
      "--engine=static decodes greedily: set temperature 0, or engine cache to sample"),
-    ("experiments.text_to_image", ["RUN", "--prompt", "x", "--num-images", "0"], "--num-images=0 must be at least 1"),
-    ("experiments.text_to_image", ["RUN", "--prompt", "x", "--filter-thres", "1.5"], "--filter-thres=1.5 must lie in [0, 1)"),
+    ("experiments.generate.text_to_image", ["RUN", "--prompt", "x", "--num-images", "0"], "--num-images=0 must be at least 1"),
+    ("experiments.generate.text_to_image", ["RUN", "--prompt", "x", "--filter-thres", "1.5"], "--filter-thres=1.5 must lie in [0, 1)"),
 ]
 
 
@@ -224,36 +224,48 @@ BENCHMARK_CASES = [
 
 
 BENCHMARK_FLAG_CASES = [
-    ("experiments.benchmark", ["--seq", "1024", "0", "--repeat", "0"], "--repeat=0 must be at least 1; --seq=0 must"),
-    ("experiments.benchmark", ["--decode", "--tensor-peak"], "--tensor-peak measures a training step: leave out"),
-    ("experiments.benchmark_speculative", ["--gamma", "0", "--primes", "0"], "--gamma=0 must be at least 1; --primes"),
-    ("experiments.benchmark_speculative", ["--temperature", "-1"], "--temperature=-1.0 must be 0 or more"),
-    ("experiments.benchmark_speculative", ["--engine", "compiled", "--temperature", "1"],
+    ("experiments.bench.models", ["--seq", "1024", "0", "--repeat", "0"], "--repeat=0 must be at least 1; --seq=0 must"),
+    ("experiments.bench.models", ["--decode", "--tensor-peak"], "--tensor-peak measures a training step: leave out"),
+    ("experiments.bench.speculative", ["--gamma", "0", "--primes", "0"], "--gamma=0 must be at least 1; --primes"),
+    ("experiments.bench.speculative", ["--temperature", "-1"], "--temperature=-1.0 must be 0 or more"),
+    ("experiments.bench.speculative", ["--engine", "compiled", "--temperature", "1"],
      "--engine=compiled decodes greedily: set temperature 0"),
-    ("experiments.benchmark_dalle", ["--steps", "0", "--ff-mult", "0"], "--steps=0 must be at least 1; --ff-mult=0.0 "
+    ("experiments.bench.dalle", ["--steps", "0", "--ff-mult", "0"], "--steps=0 must be at least 1; --ff-mult=0.0 "
                                                                         "must be positive"),
-    ("experiments.benchmark_kernels", ["--lengths", "64", "0", "--repeats", "0"], "--lengths=0 must be at least 1; --repeats=0"),
+    ("experiments.bench.kernels", ["--lengths", "64", "0", "--repeats", "0"], "--lengths=0 must be at least 1; --repeats=0"),
 ]
 
 
 @pytest.mark.parametrize("module,argv,message", BENCHMARK_FLAG_CASES, ids=[" ".join(c[1]) for c in BENCHMARK_FLAG_CASES])
-def test_benchmark_flags_are_refused_before_measuring(module, argv, message):
-    result = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120, env=run_env())
+def test_benchmark_flags_are_refused_before_measuring(module, argv, message, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(module).main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"python -m {module}: error: {message}")
+
+
+def test_a_benchmark_refusal_is_exit_status_2_and_one_line_as_a_command():
+    """The one flag refusal run as a user runs it: the process's exit status and its last line."""
+    result = subprocess.run([sys.executable, "-m", "experiments.bench.models", "--repeat", "0"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env=run_env())
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(f"{module.split('.')[1]}.py: error: {message}")
+    assert result.stderr.strip().splitlines()[-1] == ("python -m experiments.bench.models: error: --repeat=0 must be "
+                                                      "at least 1")
 
 
 @pytest.mark.parametrize("models,overrides,message", BENCHMARK_CASES, ids=[c[2][:24] for c in BENCHMARK_CASES])
 def test_benchmark_models_and_overrides_are_refused_before_measuring(models, overrides, message):
-    from experiments.benchmark import config_problem
+    from experiments.bench.models import config_problem
 
     assert config_problem(models, overrides).startswith(message)
     assert config_problem(["nsa", "transformer", "ref:sinkhorn"], ["model.depth=2"]) is None
 
 
 def test_tools_name_a_missing_run(tmp_path):
-    from experiments import speculative, text_to_image
+    from experiments.generate import speculative, text_to_image
 
     for main, argv in ((speculative.main, []), (text_to_image.main, ["--prompt", "x"])):
         err = io.StringIO()
@@ -410,7 +422,7 @@ def test_a_checkpoint_write_cut_short_leaves_no_temporary_file_after_resume(tmp_
 
 
 def test_review_names_an_unreadable_summary(tmp_path, completed_run, capsys):
-    from experiments.review import main
+    from experiments.review.runs import main
 
     run = tmp_path / "sweep" / "job"
     shutil.copytree(completed_run, run)

@@ -234,7 +234,7 @@ def lm_workload(overrides: Sequence[str], n: int, dtype) -> Callable[[], None]:
     import torch
     import torch.nn.functional as F
 
-    from experiments.gpu_report import configured_lm
+    from experiments.bench.gpu_report import configured_lm
 
     def run() -> None:
         from hydra.utils import instantiate

@@ -1,7 +1,7 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore by `register()`.
 
 The schemas own the types and what each key means; the yaml files in conf/ own every value (no
-field here has a default: tests/config/test_values.py holds both rules). Each yaml option in
+field here has a default: tests/experiments/config/test_values.py holds both rules). Each yaml option in
 conf/<group>/ starts from its schema (`defaults: [/<group>_<name>_schema@_here_, _self_]`), so a
 misspelt key or a value of the wrong type fails at composition, naming the key, before any work.
 Rules a type cannot express live in `experiments.config.checks` (the trainer's) and in each model's

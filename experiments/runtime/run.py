@@ -30,7 +30,7 @@ from experiments.runtime.files import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
-# what a run directory holds (DESIGN.md section 4); experiments/review.py reads runs by these names
+# what a run directory holds (DESIGN.md section 4); experiments/review/runs.py reads runs by these names
 METRICS, SUMMARY, CHECKPOINTS, SAMPLES, HYDRA = "metrics.jsonl", "summary.json", "checkpoints", "samples", ".hydra"
 OVERRIDES = f"{HYDRA}/overrides.yaml"
 

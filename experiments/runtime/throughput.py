@@ -4,8 +4,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 
 import torch
@@ -183,52 +181,3 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# ---- benchmark rounds: each measurement in a fresh process, rounds interleaved, the median kept
-
-
-def median_seconds(step, steps: int) -> float:
-    """The median time of `steps` calls of step(), after one warm-up call (first-call allocations);
-    the median resists a noisy neighbour."""
-    step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def settled_peak_mb(step, read_peak, step_s: float, held: int = 3, most: int = 12,
-                    budget_s: float = 60.0) -> tuple[float, int, bool]:
-    """More calls of step() until read_peak() holds (rises by under 0.5%) for `held` calls in a row:
-    a training step's resident high-water mark goes on growing for several steps after the first
-    (freed blocks of the C heap stop fitting later requests: at 8k tokens NSA's grew for 5 steps),
-    so a peak read after two or three steps is not yet what a run holds. At most `most` calls, and
-    none that would end past `budget_s` at `step_s` a call (a 32k step on a CPU takes a minute).
-    -> (the peak, the calls made, whether it held)."""
-    peak, calls, unchanged, started = read_peak(), 0, 0, time.perf_counter()
-    while unchanged < held and calls < most and time.perf_counter() - started + step_s <= budget_s:
-        step()
-        calls += 1
-        now = read_peak()
-        unchanged = unchanged + 1 if now < peak * 1.005 else 0
-        peak = max(peak, now)
-    return peak, calls, unchanged >= held
-
-
-def measure_in_child(module: str, args: list[str]) -> tuple[dict, list[str]]:
-    """`python -m module --one *args` in a fresh process (no allocator or cache state carried over)
-    -> (the JSON row it prints last, the lines it printed before). Raises RuntimeError with its last
-    line of stderr when it fails."""
-    out = subprocess.run([sys.executable, "-m", module, "--one", *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError((out.stderr.strip().splitlines() or ["?"])[-1])
-    *before, last = out.stdout.strip().splitlines()
-    return json.loads(last), before
-
-
-def median_row(rows: list[dict], key: str) -> dict:
-    """The median round of interleaved rounds by `key`."""
-    return sorted(rows, key=lambda row: row[key])[len(rows) // 2]

@@ -6,7 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
-from experiments.gpu_report import first_step_agreement
+from experiments.bench.agreement import first_step_agreement
 from tests.helpers.attention_checks import assert_cached_decoding_equals_parallel
 from tests.helpers.runs import TINY_LM, read_metrics, read_summary, train
 
@@ -41,7 +41,7 @@ def assert_loss_falls(rows: list[dict], key: str = "loss", window: int = 5) -> N
 
 
 def assert_devices_agree(build, loss, train: bool = True) -> None:
-    """The first training step of build(device) on the CPU and on CUDA, fp32 (experiments.gpu_report's
+    """The first training step of build(device) on the CPU and on CUDA, fp32 (experiments.bench.gpu_report's
     first_step_agreement): the losses within LOSS_AGREEMENT, every gradient within GRADIENT_AGREEMENT,
     relative."""
     agreement = first_step_agreement(build, loss, ("cpu", "cuda"), train=train)

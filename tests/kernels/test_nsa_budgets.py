@@ -1,6 +1,6 @@
 """NSA's layer on its Triton kernels within the budgets that make it fast on a GPU (issue 53),
 counted on the CPU with the kernels in Triton's interpreter (experiments/bench/counts.py;
-`python -m experiments.benchmark_kernels --count` prints the same figures).
+`python -m experiments.bench.kernels --count` prints the same figures).
 
 The layer runs at experiments/bench/layers.py's `count` settings (the seed's GQA group of 2 with
 dim_head 64, the paper's group of 16 with dim_head 128; masks scaled to COUNT_TOKENS so that a

@@ -4,7 +4,7 @@ decoding, the first step against the CPU's, training in each precision."""
 import pytest
 import torch
 
-from experiments.gpu_report import lm_loss
+from experiments.bench.agreement import lm_loss
 from models.lm import transformer_lm
 from models.sampling import filter_top_k, generate, sample
 from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,

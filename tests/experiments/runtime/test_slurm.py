@@ -187,7 +187,7 @@ def test_a_sweep_job_of_two_tasks_trains_as_two_ranks(slurm_cluster, tmp_path):
 
 
 def _review(capsys, sweep_dir: Path) -> list[dict]:
-    from experiments.review import main
+    from experiments.review.runs import main
 
     assert main([str(sweep_dir), "--format", "json", "--no-plots"]) == 0
     groups = json.loads(capsys.readouterr().out)["groups"]

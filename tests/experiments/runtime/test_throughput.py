@@ -43,26 +43,3 @@ def test_an_unwritable_cache_still_gives_this_reading(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(throughput, "measure_matmul_flops", lambda device, dtype: 42e9)
     assert throughput.matmul_peak_flops(torch.device("cpu")) == 42e9
-
-
-def _peaks(*readings):
-    """read_peak() giving these readings in turn, then the last for ever; and a step() counter."""
-    readings, calls = list(readings), []
-    return (lambda: readings.pop(0) if len(readings) > 1 else readings[0]), (lambda: calls.append(1)), calls
-
-
-def test_the_peak_is_read_once_it_held_for_the_steps_asked():
-    read, step, calls = _peaks(500, 540, 560, 561, 560, 561, 575)
-    peak, made, held = throughput.settled_peak_mb(step, read, step_s=0.0, held=3)
-    assert (peak, made, held) == (561, 5, True) and len(calls) == 5  # rose twice, then held (within 0.5%) three steps
-
-
-def test_a_peak_still_growing_is_reported_as_such_after_the_most_steps():
-    read, step, calls = _peaks(*range(100, 200))
-    assert throughput.settled_peak_mb(step, read, step_s=0.0, most=5) == (105, 5, False)
-
-
-def test_no_step_is_started_that_would_end_past_the_budget():
-    read, step, calls = _peaks(100)
-    assert throughput.settled_peak_mb(step, read, step_s=61.0, budget_s=60.0) == (100, 0, False)
-    assert not calls

@@ -108,7 +108,7 @@ SPEC_TINY = ["experiment=speculative", "model.depth=2", "draft.depth=1", "model.
              "tracker=none", "task.prime_length=8", "task.generate_length=12"]
 
 
-def test_speculative_task_trains_both_and_times_both_decoders(tmp_path):
+def test_speculative_task_trains_both_and_times_both_decoders(tmp_path, capsys):
     run = tmp_path / "run"
     cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *SPEC_TINY, "trainer.max_steps=4",
            "trainer.checkpoint_every=2", "task.distill_weight=0.5"]
@@ -127,7 +127,7 @@ def test_speculative_task_trains_both_and_times_both_decoders(tmp_path):
     sample = (run / "samples" / "step_0000004.txt").read_text()
     assert "=== speculative decoding" in sample
     # the timed plain decoding is the target's (not the draft's) greedy continuation of the prime
-    from experiments.speculative import load_pair
+    from experiments.generate.speculative import load_pair
     from models.sampling import generate
 
     from hydra.utils import instantiate
@@ -139,19 +139,22 @@ def test_speculative_task_trains_both_and_times_both_decoders(tmp_path):
     assert plain != bytes(generate(draft, prime, 12, 0.0)[0].tolist()).decode("utf-8", errors="replace")
 
     # decoding from the run's checkpoint
-    out = subprocess.run([sys.executable, "-m", "experiments.speculative", str(run), "--prompt", "def f(",
-                          "--length", "16", "--gamma", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "speedup" in out.stdout and "of 3 draft tokens" in out.stdout
+    from experiments.bench import speculative as bench_speculative
+    from experiments.generate import speculative as generate_speculative
 
-    # the benchmark's calls on the static engine, its greedy tokens those of the growing cache
-    out = subprocess.run([sys.executable, "-m", "experiments.benchmark_speculative", "--models", "--run", str(run),
-                          "--engine", "static", "--primes", "1", "--repeat", "1", "--length", "12", "--threads", "1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "greedy output equal to plain decoding's: True" in out.stdout
-    assert "plain greedy output equal to the growing cache's (eager): True" in out.stdout
-    assert "verification of 6 tokens" in out.stdout and "engine static" in out.stdout
+    capsys.readouterr()
+    assert generate_speculative.main([str(run), "--prompt", "def f(", "--length", "16", "--gamma", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup" in out and "of 3 draft tokens" in out
+
+    # the benchmark's calls on the static engine (measured in its child process), its greedy tokens those of the
+    # growing cache
+    assert bench_speculative.main(["--models", "--run", str(run), "--engine", "static", "--primes", "1", "--repeat",
+                                   "1", "--length", "12", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy output equal to plain decoding's: True" in out
+    assert "plain greedy output equal to the growing cache's (eager): True" in out
+    assert "verification of 6 tokens" in out and "engine static" in out
 
 
 @pytest.mark.gpu

@@ -2,20 +2,25 @@
 gpu tier): the preset."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from PIL import Image
 
-from tests.helpers.runs import (ROOT, TINY_DALLE, TINY_DVAE, run_env, kill_after_first_checkpoint, read_metrics,
-                                read_summary, train)
+from tests.helpers.runs import TINY_DALLE, TINY_DVAE, kill_after_first_checkpoint, read_metrics, read_summary, train
 from experiments.runtime import checkpoint
 
 
-def test_dalle_trains_the_vae_then_dalle_and_leaves_scored_image_grids(tmp_path):
-    train(tmp_path, base=TINY_DALLE)
+@pytest.fixture(scope="module")
+def dalle_run(tmp_path_factory):
+    """The tiny text-to-image run, trained once for the tests that read it."""
+    run = tmp_path_factory.mktemp("dalle") / "run"
+    train(run, base=TINY_DALLE)
+    return run
+
+
+def test_dalle_trains_the_vae_then_dalle_and_leaves_scored_image_grids(dalle_run):
+    tmp_path = dalle_run
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows if "vae_loss" in r] == [1, 2, 3]
     assert [r["step"] for r in rows if "image_loss" in r] == [4, 5, 6]
@@ -32,19 +37,16 @@ def test_dalle_trains_the_vae_then_dalle_and_leaves_scored_image_grids(tmp_path)
     assert {"dalle_hparams", "vae_config", "tokenizer", "model", "vae_model"} <= set(state)
 
 
-def test_generate_command_needs_only_the_checkpoint(tmp_path):
-    run_dir = tmp_path / "run"
-    train(run_dir, base=TINY_DALLE)
-    out = tmp_path / "made.png"
-    result = subprocess.run([sys.executable, "-m", "experiments.text_to_image", str(run_dir), "--prompt",
-                             "a large red circle at the top left", "--num-images", "3", "--out", str(out)],
-                            cwd=tmp_path, capture_output=True, text=True, env={**run_env(), "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr
-    assert out.is_file() and "colour_agreement" in result.stdout
+def test_generate_command_needs_only_the_checkpoint(dalle_run, tmp_path, monkeypatch, capsys):
+    from experiments.generate.text_to_image import load_run, main
     from experiments.tasks.dalle import generate_images
-    from experiments.text_to_image import load_run
 
-    dalle, vae, tokenizer = load_run(str(run_dir))
+    monkeypatch.chdir(tmp_path)  # away from the repository: the run's checkpoint is all it reads
+    out = tmp_path / "made.png"
+    assert main([str(dalle_run), "--prompt", "a large red circle at the top left", "--num-images", "3",
+                 "--out", str(out)]) == 0
+    assert out.is_file() and "colour_agreement" in capsys.readouterr().out
+    dalle, vae, tokenizer = load_run(str(dalle_run))
     images = generate_images(dalle, vae, tokenizer, ["a small blue square at the top left"] * 2,
                              generator=torch.Generator().manual_seed(0))
     assert images.shape == (2, 3, 16, 16)
@@ -99,15 +101,25 @@ def test_dalle_with_deepspeed(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 6
 
 
-def test_tasks_refuse_models_they_cannot_train(tmp_path):
-    quick = ["tracker=none", "trainer.progress=false", "trainer.max_steps=1"]
+def test_tasks_refuse_models_they_cannot_train(tmp_path, compose):
+    """Each task's setup refuses the model it cannot train (in process, as train.py builds them); one of
+    them as train.py runs it: one line, no traceback."""
+    from experiments.runtime.build import build
+    from experiments.runtime.errors import UserError
+
     cases = ((["model=dvae"], "task=lm trains language models"),
              (["task=dvae", "data=shapes"], "task=dvae trains a discrete VAE"),
              (["task=dalle", "data=shapes"], "task=dalle needs model=dalle"))
-    for i, (overrides, message) in enumerate(cases):
-        result = train(tmp_path / str(i), *overrides, base=quick, check=False)
-        assert result.returncode != 0 and message in result.stderr, result.stderr
-        assert "Traceback" not in result.stderr
+    for overrides, message in cases:
+        cfg = compose(*overrides)
+        task = build(cfg.task, "task")
+        task.ctx = None  # the run's context (data, device), which setup reads only after these checks
+        with pytest.raises(UserError, match=message):
+            task.setup({"": build(cfg.model, "model")})
+    quick = ["tracker=none", "trainer.progress=false", "trainer.max_steps=1"]
+    result = train(tmp_path / "run", "model=dvae", base=quick, check=False)
+    assert result.returncode != 0 and "task=lm trains language models" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.gpu

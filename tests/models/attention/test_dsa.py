@@ -226,7 +226,7 @@ def test_cached_decoding_equals_parallel_forward_on_cuda(kernel):
 @pytest.mark.gpu
 @pytest.mark.parametrize("stage", STAGES)
 def test_first_step_agrees_between_the_cpu_and_cuda(stage):
-    from experiments.gpu_report import lm_loss
+    from experiments.bench.agreement import lm_loss
     from tests.helpers.gpu import assert_devices_agree
 
     assert_devices_agree(lambda device: tiny_dsa(stage, kernel="auto").float(), lm_loss(32, 24))

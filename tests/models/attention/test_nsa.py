@@ -14,7 +14,7 @@ import kernels.nsa_attention as nsa_kernels
 from kernels.nsa_attention import reference as branches
 from models.attention.dense import DenseAttention
 from models.attention.nsa import BRANCH_NAMES, BlockCompressor, NativeSparseAttention, branch_closed, open_branches
-from experiments.gpu_report import lm_loss
+from experiments.bench.agreement import lm_loss
 from tests.helpers.attention_checks import assert_truncated_cache_forgets
 from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,
                                train_on_cuda)

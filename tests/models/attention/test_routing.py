@@ -10,7 +10,7 @@ from tests.helpers.attention_checks import (assert_cached_decoding_equals_parall
                                             assert_truncated_cache_forgets, saved_bytes)
 from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,
                                train_on_cuda)
-from experiments.gpu_report import lm_loss
+from experiments.bench.agreement import lm_loss
 from models.attention.dense import DenseAttention
 from models.attention.routing import RoutingAttention
 from models.lm import routing_lm

@@ -11,7 +11,7 @@ from tests.helpers.attention_checks import (assert_cached_decoding_equals_parall
 from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,
                                train_on_cuda)
 from tests.helpers.runs import TINY
-from experiments.gpu_report import lm_loss
+from experiments.bench.agreement import lm_loss
 from models.attention.dense import DenseAttention
 from models.attention.sinkhorn import SinkhornAttention, sinkhorn
 from models.lm import sinkhorn_lm

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.kill_trials import problems
+from experiments.runtime.kill_trials import problems
 from experiments.runtime import checkpoint
 
 ROWS = [{"step": 1, "loss": 3.5}, {"step": 2, "loss": 3.25}, {"step": 2, "val_loss": 3.0},

@@ -1,4 +1,4 @@
-"""The layer and branch benchmark (experiments/benchmark_kernels.py, run as a command) runs its own
+"""The layer and branch benchmark (experiments/bench/kernels.py, run as a command) runs its own
 code on a CPU (tiny setting; the Triton kernels in the interpreter): every row is measured, and
 the ratios are against the dense layer of the run; --count counts what each layer launches and
 estimates both layers' time on an H100. Its library (experiments/bench/) is tested directly: the
@@ -15,18 +15,19 @@ from experiments.bench.counts import count_layer
 from experiments.bench.layers import PAPER_TOKENS, SETTINGS, DenseLayer, nsa_layer
 from experiments.bench.roofline import Device, Part, branch_work, dense_parts, estimate, nsa_parts
 from experiments.runtime.op_counts import count_ops
+from tests.helpers.kernel_checks import TRITON_DEVICE
 from tests.helpers.runs import ROOT
 
 TINY_CPU = ["--device", "cpu", "--setting", "tiny", "--lengths", "32", "--dtype", "fp32", "--repeats", "1"]
 
 
 def command(args: list[str], interpret: bool = True) -> str:
-    """What `python -m experiments.benchmark_kernels args` prints, run as a user runs it, in a child
+    """What `python -m experiments.bench.kernels args` prints, run as a user runs it, in a child
     process (triton reads TRITON_INTERPRET when first imported)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    child = subprocess.run([sys.executable, "-m", "experiments.benchmark_kernels", *args], cwd=ROOT,
+    child = subprocess.run([sys.executable, "-m", "experiments.bench.kernels", *args], cwd=ROOT,
                            capture_output=True, text=True, timeout=600, env=env)
     assert child.returncode == 0, child.stderr[-3000:]
     return child.stdout
@@ -36,6 +37,12 @@ def rows_at_32_tokens(lines: list[str]) -> dict[str, list[str]]:
     return {line.split()[1]: line.split() for line in lines if line.split()[:1] == ["32"]}
 
 
+# the command's own run in Triton's interpreter, as a CPU machine runs it (a GPU machine's tier runs
+# the same tool on the GPU: gpu_report's kernels stage)
+on_a_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the command in Triton's interpreter on a CPU")
+
+
+@on_a_cpu
 @pytest.mark.triton
 def test_tiny_setting_times_every_layer_and_branch_on_the_cpu():
     lines = command(TINY_CPU).splitlines()
@@ -113,16 +120,16 @@ def test_nsas_roofline_holds_each_branchs_work_and_its_backward():
 def test_a_counted_first_step_is_every_step_once_the_caches_are_built():
     setting = SETTINGS["tiny"]
     torch.manual_seed(0)
-    layer = nsa_layer("triton", setting)
+    layer = nsa_layer("triton", setting).to(TRITON_DEVICE)
     step = ("fwd+bwd",)
-    first = count_layer(layer, 32, torch.float32, torch.device("cpu"), step)["fwd+bwd"]  # builds the caches first
-    later = count_layer(layer, 32, torch.float32, torch.device("cpu"), step)["fwd+bwd"]
+    first = count_layer(layer, 32, torch.float32, TRITON_DEVICE, step)["fwd+bwd"]  # builds the caches first
+    later = count_layer(layer, 32, torch.float32, TRITON_DEVICE, step)["fwd+bwd"]
     assert (first.aten, first.glue_bytes, len(first.triton)) == (later.aten, later.glue_bytes, len(later.triton))
     # without them the first step builds the rotary table: more launches than any later step
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 32, setting["dim"], generator=gen)
+    x = torch.randn(1, 32, setting["dim"], generator=gen).to(TRITON_DEVICE)
     with torch.no_grad(), count_ops() as unbuilt:
-        nsa_layer("triton", setting)(x)
+        nsa_layer("triton", setting).to(TRITON_DEVICE)(x)
     with torch.no_grad(), count_ops() as built:
         layer(x)
     assert unbuilt.launches > built.launches
@@ -151,6 +158,7 @@ def table_rows(out: str, first: str, last: str) -> dict[str, list[str]]:
     return {line[:20].strip(): line[20:].split() for line in lines[start:end + 1]}
 
 
+@on_a_cpu
 @pytest.mark.triton
 def test_count_prints_dense_beside_nsa_and_both_layers_roofline():
     out = command(["--count", "--setting", "tiny", "--lengths", "16", "--dtype", "fp32"])
@@ -209,7 +217,7 @@ def test_the_dense_layers_forward_launches_its_three_projections_and_attention()
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts on the GPU there")
 def test_count_where_triton_is_imported_without_the_interpreter_says_how_to_get_it():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    code = ("import sys, runpy, triton; sys.argv = ['benchmark_kernels.py', '--count']; "
-            "runpy.run_module('experiments.benchmark_kernels', run_name='__main__')")
+    code = ("import sys, runpy, triton; sys.argv = ['kernels.py', '--count']; "
+            "runpy.run_module('experiments.bench.kernels', run_name='__main__')")
     child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert child.returncode == 2 and "set TRITON_INTERPRET=1" in child.stderr

@@ -1,17 +1,17 @@
 """Training-step and decoding figures per model: tokens/s, peak memory, MFU, the training loop's
 overhead, and each model's speed as a ratio to the dense transformer measured in the same run.
 
-    python -m experiments.benchmark                         # the bench config, dense and NSA
-    python -m experiments.benchmark --models nsa transformer --seq 4096 8192 --batch 1
-    python -m experiments.benchmark --models nsa transformer sinkhorn routing \
+    python -m experiments.bench.models                         # the bench config, dense and NSA
+    python -m experiments.bench.models --models nsa transformer --seq 4096 8192 --batch 1
+    python -m experiments.bench.models --models nsa transformer sinkhorn routing \
         --seq 1024 4096 8192 16384 32768 --batch 1 --plot scaling.png  # cost against length
-    python -m experiments.benchmark --decode --seq 4096 16384         # one decoding step after a cache
-    python -m experiments.benchmark --precision bf16                  # autocast, as trainer.precision=bf16
-    python -m experiments.benchmark --models nsa --seq 8192 --batch 1 --profile  # the ops of one step
-    python -m experiments.benchmark --models nsa transformer --seq 8192 --batch 1 --tensor-peak
-    python -m experiments.benchmark --models sinkhorn ref:sinkhorn routing ref:routing
-    python -m experiments.benchmark --device cuda --precision bf16 --seq 8192 32768 --batch 1   # on a GPU
-    python -m experiments.benchmark --count                           # launches per training step
+    python -m experiments.bench.models --decode --seq 4096 16384         # one decoding step after a cache
+    python -m experiments.bench.models --precision bf16                  # autocast, as trainer.precision=bf16
+    python -m experiments.bench.models --models nsa --seq 8192 --batch 1 --profile  # the ops of one step
+    python -m experiments.bench.models --models nsa transformer --seq 8192 --batch 1 --tensor-peak
+    python -m experiments.bench.models --models sinkhorn ref:sinkhorn routing ref:routing
+    python -m experiments.bench.models --device cuda --precision bf16 --seq 8192 32768 --batch 1   # on a GPU
+    python -m experiments.bench.models --count                           # launches per training step
 
 Models are composed from conf/ exactly as train.py composes them (bench config: vocab 256,
 dim 256, depth 4, heads 4, dim_head 64; each attention adds its conf/model/<name>.yaml knobs;
@@ -46,6 +46,7 @@ dependencies of this project: `pip install sinkhorn-transformer==0.11.4 routing-
 import argparse
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -55,7 +56,7 @@ from experiments.config.checks import composition_error, flag_error
 from experiments.runtime import allocator
 from experiments.runtime.op_counts import interpret_triton_here
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 BENCH = ["model.num_tokens=256", "model.dim=256", "model.depth=4", "model.heads=4", "model.dim_head=64"]
 SEED_SIZE = ["model.dim=512", "model.depth=6", "model.heads=8", "model.dim_head=64"]  # --count's default size
 
@@ -124,17 +125,6 @@ def training_loss(forward, tokens, precision: str, device: "torch.device"):
         return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux
 
 
-def synced(step, device):
-    """step, waiting for the device to finish it: a host clock around it then times the work."""
-    from experiments.runtime.throughput import sync
-
-    def run():
-        step()
-        sync(device)
-
-    return run
-
-
 def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, extra: list[str],
             precision: str = "fp32", profile: bool = False, tensor_peak: bool = False, device: str = "cpu") -> dict:
     """One model's training-step figures, measured in this process; the peak memory is that of the
@@ -145,8 +135,9 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
 
     from experiments.data.text import ByteText
     from experiments.runtime.run import Run
-    from experiments.runtime.throughput import (matmul_peak_flops, median_seconds, peak_memory_mb, reset_peak_memory,
-                                                settled_peak_mb, training_flops_per_token)
+    from experiments.bench.measure import median_seconds, settled_peak_mb, synced
+    from experiments.runtime.throughput import (matmul_peak_flops, peak_memory_mb, reset_peak_memory,
+                                                training_flops_per_token)
 
     cfg, model, forward = build(model_name, seq, threads, extra, device)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
@@ -275,7 +266,8 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
     import torch
 
     from experiments.data.text import ByteText
-    from experiments.runtime.throughput import median_seconds, peak_memory_mb, reset_peak_memory
+    from experiments.bench.measure import median_seconds, synced
+    from experiments.runtime.throughput import peak_memory_mb, reset_peak_memory
     from models.sampling import decoding_linears
 
     _, model, _ = build(model_name, context + steps + 2, threads, extra, device)
@@ -362,8 +354,9 @@ def saved_activation_bytes(forward, tokens) -> int:
     return sum(storages.values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench.models", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["transformer", "nsa"])
     parser.add_argument("--seq", type=int, nargs="+",
                         help="sequence lengths, default 1024, with --count 512 (with --decode: the cached context "
@@ -385,7 +378,7 @@ def main() -> None:
     parser.add_argument("--count", action="store_true",
                         help="count what one training step launches (at the seed's size, 512 tokens, batch 1)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: print one JSON row
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.seq = args.seq or ([512] if args.count else [1024])
     args.batch = args.batch or (1 if args.count else 4)
     if error := flag_error({flag: ("count", value) for flag, value in (
@@ -410,7 +403,7 @@ def main() -> None:
         if device == "cpu" and (problem := interpret_triton_here()):
             parser.error(problem)
         print_step_counts(args.models, args.seq, args, device)
-        return
+        return 0
 
     if args.one:
         common = (args.models[0], args.seq[0], args.batch, args.steps, args.threads, args.override, args.precision,
@@ -418,9 +411,10 @@ def main() -> None:
         row = (measure_decode(*common, device=device) if args.decode
                else measure(*common, tensor_peak=args.tensor_peak, device=device))
         print(json.dumps(row))
-        return
+        return 0
 
-    from experiments.runtime.throughput import device_name, measure_in_child
+    from experiments.bench.measure import measure_in_child
+    from experiments.runtime.throughput import device_name
 
     threads = f", {args.threads} threads" if device == "cpu" else ""
     print(f"{device_name(torch.device(device))}{threads}, {args.precision}, "
@@ -430,7 +424,7 @@ def main() -> None:
         for seq in args.seq:
             for name in args.models:
                 try:
-                    row, profile = measure_in_child("experiments.benchmark", [
+                    row, profile = measure_in_child("experiments.bench.models", [
                         "--models", name, "--seq", str(seq), "--batch", str(args.batch), "--steps", str(args.steps),
                         "--threads", str(args.threads), "--precision", args.precision, "--device", device,
                         *(["--decode"] if args.decode else []), *(["--profile"] if args.profile else []),
@@ -447,6 +441,7 @@ def main() -> None:
     if args.plot:
         plot_scaling(table, args.plot, args)
         print(f"wrote {args.plot}")
+    return 0
 
 
 def config_problem(models: list[str], overrides: list[str]) -> Optional[str]:
@@ -465,7 +460,7 @@ def config_problem(models: list[str], overrides: list[str]) -> Optional[str]:
 
 def median_round(runs: list[dict]) -> dict:
     """The median round by speed, with the largest peak memory of all rounds."""
-    from experiments.runtime.throughput import median_row
+    from experiments.bench.measure import median_row
 
     row = dict(median_row(runs, "tokens_per_s"))
     row["peak_mem_mb"] = max(r["peak_mem_mb"] for r in runs)
@@ -556,4 +551,4 @@ def plot_scaling(table: list[dict], path: Path, args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

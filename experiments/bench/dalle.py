@@ -1,7 +1,7 @@
 """DALL-E training-step speed, side by side with the reference package.
 
-    python -m experiments.benchmark_dalle                 # ours, and dalle-pytorch if installed
-    python -m experiments.benchmark_dalle --repeat 5 --steps 20
+    python -m experiments.bench.dalle                 # ours, and dalle-pytorch if installed
+    python -m experiments.bench.dalle --repeat 5 --steps 20
 
 The config is the reference's training script at a CPU size: DALLE(dim 256, depth 2, heads 4,
 dim_head 64, text_seq_len 64, 1,000 text tokens) over DiscreteVAE(image_size 64, 3 layers, 512
@@ -62,7 +62,7 @@ def reference():
 def measure(name: str, steps: int, threads: int, ff_mult: float) -> dict:
     import torch
 
-    from experiments.runtime.throughput import median_seconds
+    from experiments.bench.measure import median_seconds
     from experiments.runtime.throughput import peak_memory_mb
 
     torch.set_num_threads(threads)
@@ -84,8 +84,9 @@ def measure(name: str, steps: int, threads: int, ff_mult: float) -> dict:
             "peak_mem_mb": round(peak_memory_mb(torch.device("cpu")), 1)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench.dalle", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["ours", "ref"], choices=["ours", "ref"])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
@@ -93,20 +94,20 @@ def main() -> None:
     parser.add_argument("--ff-mult", type=float, default=4.0,
                         help="our feed-forward width; 6 matches the parameters of the reference's GEGLU at 4")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one JSON row
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if error := flag_error({"--steps": ("count", args.steps), "--threads": ("count", args.threads),
                             "--repeat": ("count", args.repeat), "--ff-mult": ("ff_mult", args.ff_mult)}):
         parser.error(error)
     if args.one:
         print(json.dumps(measure(args.models[0], args.steps, args.threads, args.ff_mult)))
-        return
-    from experiments.runtime.throughput import measure_in_child, median_row
+        return 0
+    from experiments.bench.measure import measure_in_child, median_row
 
     rows: dict[str, list[dict]] = {}
     for _ in range(args.repeat):
         for name in args.models:
             try:
-                row, _ = measure_in_child("experiments.benchmark_dalle", [
+                row, _ = measure_in_child("experiments.bench.dalle", [
                     "--models", name, "--steps", str(args.steps), "--threads", str(args.threads),
                     "--ff-mult", str(args.ff_mult)])
             except RuntimeError as e:
@@ -120,7 +121,8 @@ def main() -> None:
               f"{max(x['peak_mem_mb'] for x in runs):>8,.0f}")
     print(f"(batch {BATCH}, {TEXT_SEQ_LEN} text + 64 image tokens per sample, fp32, {args.threads} threads, "
           f"median of {args.steps} steps, median of {args.repeat} interleaved rounds)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

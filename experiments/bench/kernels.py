@@ -3,10 +3,10 @@
 layers beside them where installed; then each branch's counted work (FLOPs and the fewest bytes
 it must move) against the time its kernels take, so the gap to the device's limits shows.
 
-    python -m experiments.benchmark_kernels                       # GPU: both settings, 8k..64k, bf16
-    python -m experiments.benchmark_kernels --setting small --lengths 32768
-    python -m experiments.benchmark_kernels --device cpu --setting tiny --lengths 256 --dtype fp32
-    python -m experiments.benchmark_kernels --count           # what one layer launches (a CPU can count it)
+    python -m experiments.bench.kernels                       # GPU: both settings, 8k..64k, bf16
+    python -m experiments.bench.kernels --setting small --lengths 32768
+    python -m experiments.bench.kernels --device cpu --setting tiny --lengths 256 --dtype fp32
+    python -m experiments.bench.kernels --count           # what one layer launches (a CPU can count it)
 
 Settings (experiments/bench/layers.py): `paper` is the NSA paper's kernel setting, `small` the
 seed's shape, `tiny` a shape for checking the script itself on a CPU, `count` and `count16` the
@@ -48,8 +48,7 @@ import argparse
 import inspect
 import sys
 import textwrap
-import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -63,6 +62,7 @@ from torch import Tensor, nn  # noqa: E402
 from experiments.bench.counts import PHASES, count_phases, count_table, io_bytes, q_bytes  # noqa: E402
 from experiments.bench.layers import (COUNT_TOKENS, PAPER_TOKENS, SETTINGS, DenseLayer, describe,  # noqa: E402
                                       nsa_layer)
+from experiments.bench.measure import added_peak_mb, ceilings, median_seconds  # noqa: E402
 from experiments.bench.roofline import H100_SXM, branch_work, estimate_table, lengths_table  # noqa: E402
 from experiments.config.checks import flag_error  # noqa: E402
 from experiments.runtime.backends import DTYPES  # noqa: E402
@@ -73,48 +73,9 @@ TIMED_TOKENS = [8192, 16384, 32768, 65536]
 REPEATS = 10  # timings per median; --repeats sets it
 
 
-def timed(fn: Callable, device: torch.device, repeats: Optional[int] = None) -> float:
-    """Median milliseconds of fn(), after warm-up (CUDA events on a GPU, a host clock on the CPU)."""
-    repeats = repeats or REPEATS
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def peak_mb(fn: Callable, device: torch.device) -> Optional[float]:
-    """Device memory fn() adds at its peak over what was allocated before it (CUDA only)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
-
-
-def ceilings(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
-    """(matrix-product FLOP/s, memory bytes/s) measured here: a square product and a large copy."""
-    size = 8192 if device.type == "cuda" else 1024
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    rate = 2 * size**3 / (timed(lambda: a @ b, device) / 1e3)
-    src = torch.empty(2**28 if device.type == "cuda" else 2**25, device=device, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.numel() / (timed(lambda: dst.copy_(src), device) / 1e3)  # bytes read + written
-    return rate, bandwidth
+def timed(fn: Callable, device: torch.device) -> float:
+    """Median milliseconds of fn() after 2 warm-ups (CUDA events on a GPU, a host clock on the CPU)."""
+    return 1e3 * median_seconds(fn, REPEATS, device, warmups=2)
 
 
 # ---- layers -------------------------------------------------------------------------------------
@@ -199,7 +160,7 @@ def layer_table(setting: dict, n: int, dtype: torch.dtype, device: torch.device,
             layer(x).backward(grad)
 
         try:
-            rows.append((name, timed(forward, device), timed(both, device), peak_mb(both, device), ""))
+            rows.append((name, timed(forward, device), timed(both, device), added_peak_mb(both, device), ""))
         except Exception as error:
             rows.append((name, None, None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"))
         del layer
@@ -324,7 +285,8 @@ def print_branches(setting: dict, n: int, dtype: torch.dtype, device: torch.devi
 
 def main(argv=None) -> int:
     global REPEATS
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench.kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=[*SETTINGS, "both"], default="both",
                         help="both: paper and small (with --count: count and count16)")
     parser.add_argument("--lengths", type=int, nargs="+",
@@ -354,7 +316,7 @@ def main(argv=None) -> int:
     from experiments.runtime.throughput import device_name
     from kernels import triton_interpreting
 
-    rate, bandwidth = ceilings(device, dtype)
+    rate, bandwidth = ceilings(device, dtype, REPEATS)
     print(f"{device_name(device)}, {args.dtype}, batch 1; measured ceilings: matrix product "
           f"{rate / 1e12:.2f} TFLOP/s, copy {bandwidth / 1e9:.0f} GB/s")
     for name in (("paper", "small") if args.setting == "both" else (args.setting,)):

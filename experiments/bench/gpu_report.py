@@ -1,15 +1,15 @@
 """Everything the GPU issues measure, one stage per process, each stage's output to a log in the
 folder given:
 
-    python -m experiments.gpu_report OUT warm      # compile --launches' Triton kernels on every core first
-    python -m experiments.gpu_report OUT devices   # first step's loss and gradients, CPU against CUDA, per LM
-    python -m experiments.gpu_report OUT tests     # pytest -m "gpu or triton" -n 8: the suite's CUDA tier
-    python -m experiments.gpu_report OUT kernels   # benchmark_kernels: layers at both settings, branches
-    python -m experiments.gpu_report OUT models    # benchmark --device cuda: dense and NSA LMs, bf16
-    python -m experiments.gpu_report OUT compile   # trainer.compile's modes: loss against eager, tokens/s, launches
-    python -m experiments.gpu_report OUT decoding  # the speculative preset trained, then its decoding engines timed
-    python -m experiments.gpu_report OUT warm kernels models   # several, in ORDER, each under its limit
-    python -m experiments.gpu_report OUT all       # every stage so
+    python -m experiments.bench.gpu_report OUT warm      # compile --launches' Triton kernels on every core first
+    python -m experiments.bench.gpu_report OUT devices   # first step's loss and gradients, CPU against CUDA, per LM
+    python -m experiments.bench.gpu_report OUT tests     # pytest -m "gpu or triton" -n 8: the suite's CUDA tier
+    python -m experiments.bench.gpu_report OUT kernels   # benchmark_kernels: layers at both settings, branches
+    python -m experiments.bench.gpu_report OUT models    # benchmark --device cuda: dense and NSA LMs, bf16
+    python -m experiments.bench.gpu_report OUT compile   # trainer.compile's modes: loss against eager, tokens/s, launches
+    python -m experiments.bench.gpu_report OUT decoding  # the speculative preset trained, then its decoding engines timed
+    python -m experiments.bench.gpu_report OUT warm kernels models   # several, in ORDER, each under its limit
+    python -m experiments.bench.gpu_report OUT all       # every stage so
 
 Each log begins with the GPU's name, torch and triton versions, and the command. On a machine
 without CUDA it says so in one line and exits 2. With several stages, each runs in a process of its
@@ -29,21 +29,22 @@ import subprocess
 import tempfile
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
+from experiments.bench.agreement import first_step_agreement, lm_loss
+
 if TYPE_CHECKING:  # torch is imported where it is used: `--help` and the no-CUDA message stay fast
-    import torch
     from omegaconf import DictConfig
-    from torch import Tensor, nn
+    from torch import nn
 
 STAGES = {
-    # -rP: what passing tests print (how far two runs drift without trainer.deterministic)
-    "tests": [sys.executable, "-m", "pytest", "-m", "gpu or triton", "-n", "8", "-p", "no:cacheprovider", "-q", "-rP"],
-    "kernels": [sys.executable, "-m", "experiments.benchmark_kernels", "--repeats", "3", "--lengths", "16384", "32768",
+    # -v: a line per test as it ends (a stage killed at its limit still names them); -rP: what passing
+    # tests print (how far two runs drift without trainer.deterministic)
+    "tests": [sys.executable, "-m", "pytest", "-m", "gpu or triton", "-n", "8", "-p", "no:cacheprovider", "-v", "-rP"],
+    "kernels": [sys.executable, "-m", "experiments.bench.kernels", "--repeats", "3", "--lengths", "16384", "32768",
                 "65536"],
-    "models": [sys.executable, "-m", "experiments.benchmark", "--device", "cuda", "--precision", "bf16",
+    "models": [sys.executable, "-m", "experiments.bench.models", "--device", "cuda", "--precision", "bf16",
                "--models", "transformer", "nsa", "--seq", "512", "8192", "32768", "--batch", "1", "--steps", "5",
                "--override", "model.dim=512", "model.depth=6", "model.heads=8", "model.dim_head=64"],
 }
@@ -62,76 +63,6 @@ def header() -> str:
     return f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}"
 
 
-@dataclass
-class Agreement:
-    """One first training step on two devices: each one's loss, and the parameter whose gradient
-    differs most, relative to its norm on the first device (||g_b - g_a|| / ||g_a||)."""
-
-    losses: tuple[float, float]
-    gradient: float
-    parameter: str
-
-    @property
-    def loss(self) -> float:
-        """|loss_b - loss_a| / |loss_a|."""
-        return abs(self.losses[1] - self.losses[0]) / abs(self.losses[0])
-
-
-def first_step_agreement(build: Callable[[str], "nn.Module"], loss: Callable[["nn.Module", "torch.device"], "Tensor"],
-                         devices: Sequence[str] = ("cpu", "cuda"), train: bool = True) -> Agreement:
-    """Forward, loss and backward of the model build(device) returns on each device, from the same
-    weights: build runs under seed 0 on the CPU each time (checked), then the model moves. `loss`
-    draws its inputs from its own seed. fp32 as the CPU computes it: TF32 off for CUDA's matrix
-    products and convolutions. `train=False` evaluates a model that draws random numbers in training
-    (Gumbel noise), since each device draws from its own generator."""
-    import torch
-
-    results, weights = [], None
-    cuda = torch.backends.cuda.matmul, torch.backends.cudnn
-    tf32 = [backend.allow_tf32 for backend in cuda]
-    try:
-        for backend in cuda:
-            backend.allow_tf32 = False
-        for device in devices:
-            torch.manual_seed(0)
-            model = build(device).train(train)
-            state = {name: t.clone() for name, t in model.state_dict().items()}
-            if weights is not None and (state.keys() != weights.keys()
-                                        or any(not torch.equal(t, weights[n]) for n, t in state.items())):
-                raise ValueError(f"build gave other weights for {device}: it must draw them from torch's seed alone")
-            weights = state
-            model = model.to(device)
-            value = loss(model, torch.device(device))
-            value.backward()
-            results.append((value.item(), {name: torch.zeros(p.shape) if p.grad is None else p.grad.float().cpu()
-                                           for name, p in model.named_parameters()}))
-    finally:
-        for backend, allowed in zip(cuda, tf32):
-            backend.allow_tf32 = allowed
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    worst = max((_relative(grads_b[name], g), name) for name, g in grads_a.items())
-    return Agreement((loss_a, loss_b), *worst)
-
-
-def _relative(got: "Tensor", expected: "Tensor") -> float:
-    difference = float((got - expected).norm())
-    return 0.0 if difference == 0 else difference / float(expected.norm())  # inf: a gradient that should be 0
-
-
-def lm_loss(vocab: int, length: int, batch: int = 2) -> Callable[["nn.Module", "torch.device"], "Tensor"]:
-    """Next-token cross-entropy of an LM on `batch` random sequences [batch, length + 1] (seed 0)."""
-    import torch
-    import torch.nn.functional as F
-
-    tokens = torch.randint(0, vocab, (batch, length + 1), generator=torch.Generator().manual_seed(0))
-
-    def loss(model, device):
-        x = tokens.to(device)
-        return F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
-
-    return loss
-
-
 # each LM at its conf/ size, NSA at every model.kernel (triton on the CPU side: torch, see configured_lm)
 DEVICE_CHECKS = [("model=nsa", f"model.kernel={kernel}") for kernel in ("auto", "torch", "triton", "cpu")] + [
     ("model=transformer",), ("model=sinkhorn",), ("model=routing",)]
@@ -148,7 +79,7 @@ def configured_lm(*overrides: str) -> tuple[Callable[[str], "nn.Module"], "DictC
 
     register()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))
 
     def build(device: str):
@@ -191,7 +122,7 @@ def compiled_steps(overrides: Sequence[str], mode: str, seq: int = 512, steps: i
     import torch
     import torch.nn.functional as F
 
-    from experiments.benchmark_speculative import cuda_launches
+    from experiments.bench.measure import cuda_launches
 
     build, cfg = configured_lm(*overrides, f"data.seq_len={seq}")
     torch.manual_seed(0)
@@ -256,9 +187,9 @@ DECODING = [
     # the preset, trained on CUDA (task.engine=auto: CUDA graphs): its summary holds the speedup
     [sys.executable, "train.py", "experiment=speculative", "tracker=none", "trainer.device=cuda"],
     # plain decoding at the seed's size: CUDA graphs, then the growing cache
-    [sys.executable, "-m", "experiments.benchmark_speculative", "--models", "ours", "--device", "cuda", "--repeat",
+    [sys.executable, "-m", "experiments.bench.speculative", "--models", "ours", "--device", "cuda", "--repeat",
      "1", "--engine", "graphs"],
-    [sys.executable, "-m", "experiments.benchmark_speculative", "--models", "ours", "--device", "cuda", "--repeat",
+    [sys.executable, "-m", "experiments.bench.speculative", "--models", "ours", "--device", "cuda", "--repeat",
      "1", "--engine", "cache"],
 ]
 
@@ -314,7 +245,7 @@ def run_all(out: Path, stages: Sequence[str], launches: Path = LAUNCHES) -> int:
     for group in ORDER:
         group = [stage for stage in group if stage in stages]
         began = time.monotonic()
-        started = {stage: subprocess.Popen([sys.executable, "-m", "experiments.gpu_report", str(out), stage,
+        started = {stage: subprocess.Popen([sys.executable, "-m", "experiments.bench.gpu_report", str(out), stage,
                                             "--launches", str(launches)], start_new_session=True) for stage in group}
         for stage, process in started.items():
             try:
@@ -330,7 +261,8 @@ def run_all(out: Path, stages: Sequence[str], launches: Path = LAUNCHES) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench.gpu_report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="folder for the logs (created)")
     parser.add_argument("stage", nargs="+", choices=[*TIMEOUTS, "all"])
     parser.add_argument("--launches", type=Path, default=LAUNCHES, help="the warm stage's launches (gpu_compile --save)")
@@ -338,7 +270,7 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_report: error: no CUDA device here: these stages measure a GPU", file=sys.stderr)
+        print(f"{parser.prog}: error: no CUDA device here: these stages measure a GPU", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == ["all"] or len(args.stage) > 1:

@@ -5,7 +5,7 @@ import argparse
 import pytest
 import torch
 
-from experiments import benchmark
+from experiments.bench import models as benchmark
 from experiments.runtime import throughput
 
 TINY = ["model.dim=32", "model.depth=1", "model.heads=2", "model.dim_head=16"]

@@ -1,6 +1,6 @@
 """Generating images from a trained DALL-E run (train one with `python train.py experiment=dalle`).
 
-    python -m experiments.text_to_image outputs/<run> --prompt "a large red circle at the top left"
+    python -m experiments.generate.text_to_image outputs/<run> --prompt "a large red circle at the top left"
 """
 
 import argparse
@@ -28,7 +28,8 @@ def load_run(spec: str, device: str = "cpu"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m experiments.generate.text_to_image", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="a dalle run directory or checkpoint")
     parser.add_argument("--prompt", required=True, help="the caption to draw")
     parser.add_argument("--num-images", type=int, default=8)

@@ -28,7 +28,7 @@ from typing import Optional
 
 import yaml
 
-from experiments.review_plots import BY_POSITION, higher_is_better, plot, position_curves, position_plot, recall_plots
+from experiments.review.plots import BY_POSITION, higher_is_better, plot, position_curves, position_plot, recall_plots
 from experiments.runtime.run import HYDRA, METRICS, OVERRIDES, SUMMARY
 
 STALE_S = 600  # a run without a summary and no metrics written for this long was killed
@@ -317,7 +317,8 @@ def csv_text(groups: dict[str, list[dict]]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m experiments.review", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--metric", default="val_bpc",
                         help="validation metric to rank by (val_bpc, val_loss, val_accuracy; recall runs: val_accuracy)")

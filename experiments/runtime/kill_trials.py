@@ -1,8 +1,8 @@
 """Kill trials: train a small run, kill it at random moments, resume it until it completes, and
 check what the project promises of an interrupted run.
 
-    python -m experiments.kill_trials                          # 20 trials of a tiny dense model
-    python -m experiments.kill_trials --trials 30 --seed 1 -- model=nsa backend=deepspeed
+    python -m experiments.runtime.kill_trials                          # 20 trials of a tiny dense model
+    python -m experiments.runtime.kill_trials --trials 30 --seed 1 -- model=nsa backend=deepspeed
 
 One uninterrupted run is the reference. Each trial starts the same run in a fresh directory and
 kills it 1 to 3 times, mostly with SIGKILL, sometimes SIGTERM or SIGINT, at a moment drawn
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from experiments.config.checks import flag_error
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # small enough for many trials, long enough (several checkpoints and validations) to be hit mid-way
 BASE = [
@@ -140,13 +140,14 @@ def problems(run_dir: Path, reference: Path) -> list[str]:
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.runtime.kill_trials",
+                                     description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("overrides", nargs="*", help="train.py overrides (after --) for every run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if error := flag_error({"--trials": ("count", args.trials)}):
         parser.error(error)
 
@@ -179,8 +180,8 @@ def main() -> None:
                 print(f"           {line}")
         print(f"{args.trials - failed} of {args.trials} trials resumed exactly; {stopped} of the {sent} signals "
               "stopped a run (the others came after it had ended)")
-        sys.exit(1 if failed else 0)
+        return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Decoding from a trained speculative pair (train it with `python train.py experiment=speculative`).
 
-    python -m experiments.speculative outputs/2026-11-22/10-00-00 --prompt "def main(" --gamma 5
+    python -m experiments.generate.speculative outputs/2026-11-22/10-00-00 --prompt "def main(" --gamma 5
 
 The command rebuilds both models from the checkpoint's own config, then decodes the prompt
 plainly (KV cache) and speculatively, printing both outputs, tokens/s, the speedup and the
@@ -30,7 +30,8 @@ def load_pair(run_dir: Path, device: str = "cpu"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m experiments.generate.speculative", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="a speculative run directory or checkpoint")
     parser.add_argument("--prompt", default="def ", help="text to continue (bytes)")
     parser.add_argument("--length", type=int, default=256)

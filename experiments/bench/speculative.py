@@ -1,7 +1,7 @@
 """Decoding speed at the speculative-decoding seed's size, side by side with the reference package.
 
-    python -m experiments.benchmark_speculative                   # plain decoding: ours and the reference
-    python -m experiments.benchmark_speculative --run RUN         # and plain vs speculative with a trained pair
+    python -m experiments.bench.speculative                   # plain decoding: ours and the reference
+    python -m experiments.bench.speculative --run RUN         # and plain vs speculative with a trained pair
 
 Plain decoding: the seed's target (10 layers, dim 512, 8 heads of 64, vocab 256) with random
 weights (a decoding step costs the same whatever their values), batch 1, a 128-token prime, 512
@@ -30,6 +30,7 @@ Each measurement runs in a fresh process; rounds interleave them and the median 
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +43,8 @@ PRIME, LENGTH = 128, 512
 def plain(name: str, threads: int, engine: str, device: str) -> dict:
     """Plain greedy decoding of the seed's target, by our code (on `engine`) or the reference's."""
     import torch
+
+    from experiments.runtime.throughput import sync
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -58,10 +61,10 @@ def plain(name: str, threads: int, engine: str, device: str) -> dict:
         decode = _plain_decoder(model, prompt, engine)
     with torch.no_grad():
         decode()  # warm-up: first-call allocations (the linears' plan, compiled steps) are not decoding speed
-        _sync(device)
+        sync(torch.device(device))
         t0 = time.perf_counter()
         decode()
-        _sync(device)
+        sync(torch.device(device))
         seconds = time.perf_counter() - t0
     return {"model": name, "params": sum(p.numel() for p in model.parameters()), "tokens_per_s": LENGTH / seconds,
             "plan": None if name == "ref" or engine != "cache" else _plan(model, threads)}
@@ -76,13 +79,6 @@ def _plain_decoder(model, prompt, engine: str):
         return lambda: generate(model, prompt, LENGTH, temperature=0.0)
     decoder = StaticDecoder(model, 1, prompt.shape[1] + LENGTH, ENGINES[engine])
     return lambda: greedy(decoder, prompt, LENGTH)
-
-
-def _sync(device) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _plan(model, threads: int) -> str:
@@ -100,7 +96,7 @@ def speculative(run: Path, gamma: int, length: int, primes: int, temperature: fl
     import torch
     from hydra.utils import instantiate
 
-    from experiments.speculative import load_pair
+    from experiments.generate.speculative import load_pair
     from experiments.tasks.speculative import compare_decoding
     from models.sampling import generate
 
@@ -142,6 +138,8 @@ def call_costs(target, draft, context, gamma: int, engine: str = "cache", capaci
 
     import torch
 
+    from experiments.bench.measure import cuda_launches
+    from experiments.runtime.throughput import sync
     from models.decoding import ENGINES, StaticDecoder
     from models.sampling import decoding_linears
 
@@ -169,10 +167,10 @@ def call_costs(target, draft, context, gamma: int, engine: str = "cache", capaci
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for _ in range(calls):
             for kind, (model, tokens) in kinds.items():
-                _sync(context.device)
+                sync(context.device)
                 t0 = time.perf_counter()
                 call(model, tokens)
-                _sync(context.device)
+                sync(context.device)
                 times[kind].append(1e3 * (time.perf_counter() - t0))
         costs = {f"{kind}_ms": sorted(ms)[calls // 2] for kind, ms in times.items()}
         if context.is_cuda:
@@ -181,23 +179,9 @@ def call_costs(target, draft, context, gamma: int, engine: str = "cache", capaci
     return costs
 
 
-def cuda_launches(call) -> tuple[int, int]:
-    """(the host's launch calls, the kernels the GPU ran) in one call of call(), by torch.profiler;
-    a replayed CUDA graph is one launch call for all its kernels."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    events = prof.events()
-    launches = sum(1 for e in events if "LaunchKernel" in e.name or "GraphLaunch" in e.name)
-    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return launches, kernels
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench.speculative", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=["ours", "ref"], choices=["ours", "ref"],
                         help="plain decoding at the seed's size (none: only --run's pair)")
     parser.add_argument("--run", type=Path, help="a speculative run: also time its pair, plain against speculative")
@@ -212,7 +196,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the median round is shown")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one JSON row
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if error := flag_error({"--gamma": ("gamma", args.gamma), "--length": ("generate_length", args.length),
                             "--temperature": ("temperature", args.temperature), "--primes": ("count", args.primes),
                             "--threads": ("count", args.threads), "--repeat": ("count", args.repeat)}):
@@ -233,9 +217,10 @@ def main() -> None:
                            engine, str(device))
                if args.run else plain(args.models[0], args.threads, engine, str(device)))
         print(json.dumps(row))
-        return
+        return 0
 
-    from experiments.runtime.throughput import bf16_matrix_units, device_name, measure_in_child, median_row
+    from experiments.bench.measure import measure_in_child, median_row
+    from experiments.runtime.throughput import bf16_matrix_units, device_name
 
     rows: dict[str, list[dict]] = {}
     failed = set()
@@ -248,7 +233,7 @@ def main() -> None:
         for name, extra in jobs:
             try:
                 child = [*extra, "--threads", str(args.threads), "--engine", engine, "--device", device.type]
-                rows.setdefault(name, []).append(measure_in_child("experiments.benchmark_speculative", child)[0])
+                rows.setdefault(name, []).append(measure_in_child("experiments.bench.speculative", child)[0])
             except RuntimeError as e:
                 print(f"{name} failed: {e}" + (" (see the module docstring to install it)" if name == "ref" else ""))
                 failed.add(name)
@@ -286,7 +271,8 @@ def main() -> None:
         print(f"             so {(r['accepted_per_step'] + 1) * r['step_ms'] / round_ms:.2f}x at this acceptance, "
               f"{(args.gamma + 1) * r['step_ms'] / round_ms:.2f}x if every draft token were accepted")
     print(f"({args.threads} threads, median of {args.repeat} interleaved rounds, each in a fresh process)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

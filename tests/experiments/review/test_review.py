@@ -12,8 +12,8 @@ import pytest
 from matplotlib.image import imread
 
 from experiments.config.resolvers import job_subdir
-from experiments.review import find_runs, main
-from experiments.review_plots import pareto_front
+from experiments.review.runs import find_runs, main
+from experiments.review.plots import pareto_front
 from tests.helpers.runs import ROOT, TINY, TINY_NSA, run_env
 
 
@@ -28,8 +28,16 @@ def sweep(tmp_path_factory):
 
 
 def review(*args):
+    """`python -m experiments.review args` as a user runs it: a child process."""
     return subprocess.run([sys.executable, "-m", "experiments.review", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env=run_env())
+
+
+def review_here(capsys, *args) -> subprocess.CompletedProcess:
+    """The same review through main(argv), in this process: (status, stdout, stderr) as review() gives them."""
+    status = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, out.out, out.err)
 
 
 def test_table_markdown_and_real_pngs(sweep):
@@ -51,16 +59,16 @@ def test_table_markdown_and_real_pngs(sweep):
         assert image[..., :3].std() > 0.01, f"{name} is blank"
 
 
-def test_rows_sorted_by_the_metric(sweep):
-    rows = json.loads(review(sweep, "--format", "json", "--no-plots").stdout)["groups"]
+def test_rows_sorted_by_the_metric(sweep, capsys):
+    rows = json.loads(review_here(capsys, sweep, "--format", "json", "--no-plots").stdout)["groups"]
     (rows,) = rows.values()
     best = [r["best"] for r in rows if r["best"] is not None]
     assert best == sorted(best) and len(best) == 2
     assert [r["status"] for r in rows[-2:]] == ["failed", "failed"]  # no metric: last
 
 
-def test_csv_and_sort_by_speed(sweep):
-    out = review(sweep, "--format", "csv", "--sort", "tokens_per_s", "--no-plots")
+def test_csv_and_sort_by_speed(sweep, capsys):
+    out = review_here(capsys, sweep, "--format", "csv", "--sort", "tokens_per_s", "--no-plots")
     header, *rows = out.stdout.strip().splitlines()
     assert header.startswith("run,status,step,best,final,last_bucket,tokens_per_s")
     assert len(rows) == 4
@@ -85,22 +93,22 @@ def test_killed_runs_show_as_interrupted_and_live_ones_as_running(sweep, tmp_pat
     assert statuses == {"killed": "interrupted", "running": "running", "dead": "interrupted"}
 
 
-def test_runs_on_different_data_are_ranked_apart(sweep, tmp_path):
+def test_runs_on_different_data_are_ranked_apart(sweep, tmp_path, capsys):
     job = next(p.parent for p in sweep.rglob("summary.json") if "kv_heads=1" in str(p))
     other = tmp_path / "other"
     shutil.copytree(job, other)
     summary = json.loads((other / "summary.json").read_text())
     summary["data_fingerprint"] = "enwik8:95000000:0123456789abcdef"
     (other / "summary.json").write_text(json.dumps(summary))
-    out = review(sweep, tmp_path, "--no-plots")
+    out = review_here(capsys, sweep, tmp_path, "--no-plots")
     assert "2 different data sets" in out.stderr
     headings = [line for line in out.stdout.splitlines() if line.startswith("data ")]
     assert sum(h.startswith("data stdlib-py") for h in headings) == 1
     assert sum(h.startswith("data enwik8:") for h in headings) == 1
 
 
-def test_no_runs_is_a_clear_error(tmp_path):
-    out = review(tmp_path)
+def test_no_runs_is_a_clear_error(tmp_path, capsys):
+    out = review_here(capsys, tmp_path)
     assert out.returncode == 1 and "no run directories" in out.stderr
     assert main([str(tmp_path / "missing")]) == 2
 
@@ -159,7 +167,7 @@ def test_recall_runs_are_ranked_by_accuracy_and_drawn_by_width_and_depth(tmp_pat
 
 
 def test_recall_by_width_keeps_each_attentions_style_in_every_panel():
-    from experiments.review_plots import _pyplot, recall_by_width
+    from experiments.review.plots import _pyplot, recall_by_width
 
     plt = _pyplot()
     fig = recall_by_width(plt, {64: {"routing": {32: 0.1}, "transformer": {32: 1.0}},
@@ -223,8 +231,8 @@ def test_loss_by_position_is_a_column_beside_val_bpc_and_a_plot(tmp_path, capsys
 
 
 def test_loss_by_position_draws_a_line_per_configuration_and_member(tmp_path):
-    from experiments.review import configuration
-    from experiments.review_plots import _pyplot, loss_by_position, position_curves
+    from experiments.review.runs import configuration
+    from experiments.review.plots import _pyplot, loss_by_position, position_curves
 
     curves = position_curves(find_runs([_position_sweep(tmp_path)]), configuration)
     assert sorted(curves["text-256"]) == ["model=nsa", "model=transformer", "model=transformer (draft)"]
