@@ -224,24 +224,40 @@ static void *select_work(void *arg) {
 }
 
 /* acc[j] += sum over the QUERIES rows r of weights[r][j] * rows[r], for j < count (acc rows of d
- * floats, weights with row stride ld): each accumulator row is loaded and stored once for all
- * rows, and the rows' pieces stay in registers (half the ISA's registers; AVX2: 8 rows of one
- * register, AVX-512: 8 rows of two). regs: a constant after inlining. */
-#define OUTER_REGS (VEC_REGS / 2 / QUERIES > 0 ? VEC_REGS / 2 / QUERIES : 1)
-INLINE void outer_piece(float *acc, const float *weights, int64_t ld, const float *rows, int64_t count,
-                        const int64_t d, int64_t x0, const int regs) {
-    vec row[QUERIES][OUTER_REGS];
-    for (int r = 0; r < QUERIES; r++)
-        for (int x = 0; x < regs; x++) row[r][x] = *(const vec *)(rows + r * d + (x0 + x) * VEC);
-    for (int64_t j = 0; j < count; j++) {
-        float *target = acc + j * d + x0 * VEC;
-        vec sum[OUTER_REGS];
-        for (int x = 0; x < regs; x++) sum[x] = *(const vec *)(target + x * VEC);
-        for (int r = 0; r < QUERIES; r++) {
-            const float a = weights[r * ld + j];
-            for (int x = 0; x < regs; x++) sum[x] += a * row[r][x];
+ * floats, weights with row stride ld): dkc += ds^T q and dvc += p^T dout, as a matrix product in
+ * register tiles of OUTER_J accumulator rows by OUTER_X registers (half the ISA's registers;
+ * AVX2: 4 rows of 16 floats, AVX-512: 4 rows of 64), each loaded and stored once per call while
+ * the QUERIES rows stream past: 2 + OUTER_J loads per 2 * OUTER_J multiply-adds on AVX2, with no
+ * chain of adds into one register (one accumulator row at a time waited on its own adds). The
+ * rows are added in their order, as one at a time would. nj, regs: constants after inlining. */
+#define OUTER_J 4
+#define OUTER_X (VEC_REGS / 2 / OUTER_J)
+INLINE void outer_tile(float *acc, const float *weights, int64_t ld, const float *rows, int64_t j0, const int nj,
+                       const int64_t d, int64_t x0, const int regs) {
+    vec sum[OUTER_J][OUTER_X];
+    for (int jj = 0; jj < nj; jj++)
+        for (int x = 0; x < regs; x++) sum[jj][x] = *(const vec *)(acc + (j0 + jj) * d + (x0 + x) * VEC);
+    for (int r = 0; r < QUERIES; r++) {
+        vec row[OUTER_X];
+        for (int x = 0; x < regs; x++) row[x] = *(const vec *)(rows + r * d + (x0 + x) * VEC);
+        for (int jj = 0; jj < nj; jj++) {
+            const float a = weights[r * ld + j0 + jj];
+            for (int x = 0; x < regs; x++) sum[jj][x] += a * row[x];
         }
-        for (int x = 0; x < regs; x++) *(vec *)(target + x * VEC) = sum[x];
+    }
+    for (int jj = 0; jj < nj; jj++)
+        for (int x = 0; x < regs; x++) *(vec *)(acc + (j0 + jj) * d + (x0 + x) * VEC) = sum[jj][x];
+}
+
+INLINE void outer_columns(float *acc, const float *weights, int64_t ld, const float *rows, int64_t count,
+                          const int64_t d, int64_t x0, const int regs) {
+    int64_t j0 = 0;
+    for (; j0 + OUTER_J <= count; j0 += OUTER_J) outer_tile(acc, weights, ld, rows, j0, OUTER_J, d, x0, regs);
+    switch (count - j0) { /* the last rows, with a constant count each */
+    case 3: outer_tile(acc, weights, ld, rows, j0, 3, d, x0, regs); break;
+    case 2: outer_tile(acc, weights, ld, rows, j0, 2, d, x0, regs); break;
+    case 1: outer_tile(acc, weights, ld, rows, j0, 1, d, x0, regs); break;
+    default: break;
     }
 }
 
@@ -257,8 +273,8 @@ INLINE void rows_outer_accumulate(float *acc, const float *weights, int64_t ld, 
         return;
     }
     int64_t x0 = 0;
-    for (; x0 + OUTER_REGS <= d / VEC; x0 += OUTER_REGS) outer_piece(acc, weights, ld, rows, count, d, x0, OUTER_REGS);
-    for (; x0 < d / VEC; x0++) outer_piece(acc, weights, ld, rows, count, d, x0, 1);
+    for (; x0 + OUTER_X <= d / VEC; x0 += OUTER_X) outer_columns(acc, weights, ld, rows, count, d, x0, OUTER_X);
+    for (; x0 < d / VEC; x0++) outer_columns(acc, weights, ld, rows, count, d, x0, 1);
 }
 
 /* The backward of QUERIES queries from t0 of batch * kv head b, each head of the group in turn:
