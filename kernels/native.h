@@ -16,8 +16,25 @@
 #define MAX_DIM 256 /* widest head kept in registers */
 #define INLINE static inline __attribute__((always_inline))
 
-/* TILE floats, loaded and stored unaligned; the compiler maps it onto this CPU's vector registers */
-typedef float vec __attribute__((vector_size(4 * TILE), aligned(4)));
+/* VEC: fp32 lanes of one vector register of the ISA this file is built for (-march, see
+ * kernels/native.py). A generic vector wider than the hardware's is "expanded piecewise" by GCC,
+ * through memory: 16-float vectors on an AVX2-only CPU made selection.c's pass ~10x slower than
+ * PyTorch's SDPA forward on the same problem (AMD EPYC Zen 3). So `vec` is one register, and the
+ * register-blocked loops take their widths from VEC and VEC_REGS. */
+#if defined(__AVX512F__)
+#define VEC 16
+#define VEC_REGS 32
+#elif defined(__AVX__)
+#define VEC 8
+#define VEC_REGS 16
+#else /* SSE2, NEON: 128-bit */
+#define VEC 4
+#define VEC_REGS 16
+#endif
+#define VEC_PER_TILE (TILE / VEC)
+
+/* VEC floats, loaded and stored unaligned: one vector register of this build */
+typedef float vec __attribute__((vector_size(4 * VEC), aligned(4)));
 
 /* exp(x) for x <= 0 (scores less their maximum or log-sum-exp) in a form that vectorizes: x = k ln2
  * + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes' expf coefficients,

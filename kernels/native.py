@@ -1,8 +1,12 @@
 """The project's C kernels (a `.c` file in a kernel's package, sharing `native.h`), compiled with
 the machine's C compiler the first time one is needed (about a second) for this CPU
-(-march=native), into a cache keyed by the sources, the flags and the CPU's model and feature
-flags, so a cache shared between different CPUs never serves the wrong build. Where no compiler
-works, `load` returns None and callers keep their PyTorch path."""
+(-march=native) or for the target named by $SPARSE_ATTENTION_MARCH (x86-64-v3: AVX2, x86-64-v4:
+AVX-512, or any -march value the compiler knows), so that a developer on an AVX-512 machine can
+test and time the AVX2 build. The cache is keyed by the sources, the flags (the target among them)
+and the CPU's model and feature flags, so a cache shared between different CPUs never serves the
+wrong build. A target this CPU cannot run is refused with a RuntimeError, not left to die on an
+illegal instruction. Where no compiler works, `load` returns None and callers keep their PyTorch
+path."""
 
 import ctypes
 import hashlib
@@ -18,7 +22,7 @@ from typing import Optional
 from torch import Tensor
 
 _HEADER = Path(__file__).with_name("native.h")
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+MARCH_VARIABLE = "SPARSE_ATTENTION_MARCH"  # the build's target: -march=<value>, default native
 _OPENMP = ["-fopenmp"]  # rows on PyTorch's OpenMP threads (native.h's run_rows)
 _POSIX_THREADS = ["-fopenmp-simd", "-pthread"]
 TILE = 16  # keys per transposed tile, as TILE in native.h
@@ -29,18 +33,42 @@ def pointer(t: Optional[Tensor]):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-@lru_cache(maxsize=None)
+def march() -> str:
+    """The target the kernels are built for: $SPARSE_ATTENTION_MARCH, or native."""
+    value = os.environ.get(MARCH_VARIABLE, "").strip() or "native"
+    if not all(c.isalnum() or c in "-_.+" for c in value):
+        raise ValueError(f"{MARCH_VARIABLE}={value!r} is not a -march value (e.g. native, x86-64-v3, x86-64-v4)")
+    return value
+
+
+def build_flags(target: Optional[str] = None) -> list[str]:
+    """The C compiler's flags for the kernels, for `target` (default: march())."""
+    # -fno-trapping-math: the kernels read no FP exception flags, and with them GCC 12 would not
+    # if-convert exp_nonpositive's select, leaving every softmax loop scalar (values are unchanged)
+    return ["-O3", f"-march={target or march()}", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+
+
 def load(source: Path, signatures: tuple[tuple[str, int, int], ...]) -> Optional[ctypes.CDLL]:
-    """The compiled `source`, built into the cache on first use; None where it cannot be built.
+    """The compiled `source`, built into the cache on first use for march(); None where it cannot be
+    built; RuntimeError where this CPU cannot run that target.
     signatures: (function, number of pointer arguments, number of int64 arguments) for functions
     that take pointers, then int64 sizes, then (float scale, int threads), and return int status."""
+    return _load(source, signatures, march())
+
+
+@lru_cache(maxsize=None)
+def _load(source: Path, signatures: tuple[tuple[str, int, int], ...], target: str) -> Optional[ctypes.CDLL]:
     if platform.system() not in ("Linux", "Darwin"):
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         return None
+    if missing := missing_features(target):
+        raise RuntimeError(f"{MARCH_VARIABLE}={target} builds the C kernels for {', '.join(missing)}, which this CPU "
+                           f"lacks: unset it, or name a target this CPU runs (x86-64-v3 for AVX2)")
+    flags = build_flags(target)
     threading = [_OPENMP, _POSIX_THREADS] if _torch_libgomp_loaded() else [_POSIX_THREADS]
-    library = next(filter(None, (_build(compiler, source, [*_FLAGS, *flags]) for flags in threading)), None)
+    library = next(filter(None, (_build(compiler, source, [*flags, *extra]) for extra in threading)), None)
     if library is None:
         return None
     for name, pointers, sizes in signatures:
@@ -48,6 +76,59 @@ def load(source: Path, signatures: tuple[tuple[str, int, int], ...]) -> Optional
         function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + [ctypes.c_float, ctypes.c_int]
         function.restype = ctypes.c_int
     return library
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+# the compiler's macro for each vector ISA the kernels' width follows (native.h's VEC), widest first,
+# with the /proc/cpuinfo flag a CPU needs to run it
+_ISAS = (("AMX", "__AMX_TILE__", "amx_tile"), ("AVX-512", "__AVX512F__", "avx512f"), ("AVX2", "__AVX2__", "avx2"),
+         ("AVX", "__AVX__", "avx"), ("FMA", "__FMA__", "fma"), ("SSE4.2", "__SSE4_2__", "sse4_2"),
+         ("NEON", "__ARM_NEON", None))
+
+
+def isa(target: Optional[str] = None) -> str:
+    """What the kernels are (or would be) built for, in words: e.g. "AVX2 (x86-64-v3)", "AVX-512
+    (native)"; "no C compiler" where none works."""
+    target = target or march()
+    compiler = _compiler()
+    macros = _macros(compiler, target) if compiler else None
+    if macros is None:
+        return f"no C compiler ({target})" if compiler is None else f"unknown ISA ({target})"
+    widest = next((name for name, macro, _ in _ISAS if macro in macros and name not in ("FMA", "AVX")), None)
+    if widest == "AMX":  # AMX tiles beside AVX-512 vectors: the kernels' vectors are AVX-512's
+        widest = "AVX-512 + AMX"
+    return f"{widest or 'scalar/SSE2'} ({target})"
+
+
+@lru_cache(maxsize=None)
+def _macros(compiler: str, target: str) -> Optional[frozenset[str]]:
+    """The macros the compiler predefines for -march=target; None where it refuses the target."""
+    try:
+        done = subprocess.run([compiler, f"-march={target}", "-dM", "-E", "-x", "c", os.devnull],
+                              capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return frozenset(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
+
+
+def missing_features(target: str) -> list[str]:
+    """The CPU features that a -march=target build uses and this CPU lacks (by /proc/cpuinfo's
+    flags; [] for native, or where the flags or the compiler's macros cannot be read)."""
+    compiler = _compiler()
+    if target == "native" or compiler is None:
+        return []
+    macros = _macros(compiler, target)
+    try:
+        flags = set(" ".join(line.split(":", 1)[1] for line in Path("/proc/cpuinfo").read_text().splitlines()
+                             if line.split(":")[0].strip() == "flags").split())
+    except OSError:
+        return []
+    if macros is None or not flags:
+        return []
+    return [flag for _, macro, flag in _ISAS if flag and macro in macros and flag not in flags]
 
 
 @lru_cache(maxsize=None)
@@ -98,10 +179,7 @@ def transposed_tiles(x: Tensor) -> Tensor:
 def _build(compiler: str, source: Path, flags: list[str], libraries: tuple[str, ...] = ("-lm",),
            salt: str = "") -> Optional[ctypes.CDLL]:
     """`source` built with `flags` and linked with `libraries` (cached) and loaded; None where that fails."""
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), _HEADER.read_bytes(),
-                                     " ".join([compiler, *flags, *libraries, salt]).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"{source.stem}-{key}.so"
+    path = cache_path(compiler, source, flags, libraries, salt)
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,6 +194,16 @@ def _build(compiler: str, source: Path, flags: list[str], libraries: tuple[str, 
         return ctypes.CDLL(str(path))
     except OSError:
         return None
+
+
+def cache_path(compiler: str, source: Path, flags: list[str], libraries: tuple[str, ...] = ("-lm",),
+               salt: str = "") -> Path:
+    """Where the build of `source` with these flags is cached: keyed by the sources, the whole command
+    (the target among the flags) and the CPU."""
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), _HEADER.read_bytes(),
+                                     " ".join([compiler, *flags, *libraries, salt]).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
 def _torch_libgomp_loaded() -> bool:
@@ -135,7 +223,7 @@ def cache_root() -> Path:
 
 
 def _cpu_flags() -> str:
-    """The CPU's model and feature flags (the build is -march=native), from /proc/cpuinfo where it exists."""
+    """The CPU's model and feature flags (a native build depends on them), from /proc/cpuinfo where it exists."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

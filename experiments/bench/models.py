@@ -416,7 +416,7 @@ def main(argv=None) -> int:
     from experiments.bench.measure import measure_in_child
     from experiments.runtime.throughput import device_name
 
-    threads = f", {args.threads} threads" if device == "cpu" else ""
+    threads = f", {args.threads} threads, C kernels {kernels_isa(device)}" if device == "cpu" else ""
     print(f"{device_name(torch.device(device))}{threads}, {args.precision}, "
           f"{'decoding after a cache' if args.decode else 'training step'}", flush=True)
     rows: dict[tuple, list[dict]] = {}
@@ -437,7 +437,7 @@ def main(argv=None) -> int:
                     print(f"{name} at {seq}:", *profile, sep="\n")
                 rows.setdefault((seq, name), []).append(row)
     table = [median_round(runs) for runs in rows.values()]
-    print_table(table, args)
+    print_table(table, args, kernels_isa(device))
     if args.plot:
         plot_scaling(table, args.plot, args)
         print(f"wrote {args.plot}")
@@ -471,14 +471,21 @@ def median_round(runs: list[dict]) -> dict:
     return row
 
 
-def print_table(table: list[dict], args) -> None:
+def kernels_isa(device: str) -> str:
+    """The ISA the C kernels are built for ($SPARSE_ATTENTION_MARCH, default native): CPU figures depend on it."""
+    from kernels import native
+
+    return native.isa() if device == "cpu" else "-"
+
+
+def print_table(table: list[dict], args, isa: str = "-") -> None:
     dense = {r["seq"]: r for r in table if r["model"] == "transformer"}
     if args.decode:
-        header = f"{'model':<14} {'context':>7} {'batch':>5} {'tokens/s':>10} {'step ms':>8} {'x dense':>7} {'prompt s':>8} {'peak MB':>8}"
+        header = f"{'model':<14} {'context':>7} {'batch':>5} {'tokens/s':>10} {'step ms':>8} {'x dense':>7} {'prompt s':>8} {'peak MB':>8} ISA"
     else:
         header = (f"{'model':<14} {'seq':>6} {'batch':>5} {'tokens/s':>10} {'step s':>8} {'x dense':>7} {'peak MB':>8} "
                   f"{'/dense':>6} {'act MB':>7} {'MFU':>6} {'loop %':>7}"
-                  + (f" {'tensor MB':>9} {'/dense':>6}" if args.tensor_peak else ""))
+                  + (f" {'tensor MB':>9} {'/dense':>6}" if args.tensor_peak else "") + " ISA")
     print(header)
     print("-" * len(header))
     for r in table:
@@ -486,7 +493,7 @@ def print_table(table: list[dict], args) -> None:
         speed = format(r["tokens_per_s"] / base["tokens_per_s"], ".2f") if base else "-"
         if args.decode:
             print(f"{r['model']:<14} {r['seq']:>7} {r['batch']:>5} {r['tokens_per_s']:>10,.1f} {r['step_s'] * 1e3:>8.2f} "
-                  f"{speed:>7} {r['prompt_s']:>8.2f} {r['peak_mem_mb']:>8,.0f}")
+                  f"{speed:>7} {r['prompt_s']:>8.2f} {r['peak_mem_mb']:>8,.0f} {isa}")
             continue
         memory = format(r["peak_mem_mb"] / base["peak_mem_mb"], ".2f") if base else "-"
         mfu = "-" if r["mfu"] is None else format(r["mfu"], ".1%")
@@ -497,7 +504,7 @@ def print_table(table: list[dict], args) -> None:
         peak = format(r["peak_mem_mb"], ",.0f") + ("" if r["memory_settled"] else "+")
         print(f"{r['model']:<14} {r['seq']:>6} {r['batch']:>5} {r['tokens_per_s']:>10,.0f} {r['step_s']:>8.3f} "
               f"{speed:>7} {peak:>8} {memory:>6} {r['activation_mb']:>7,.0f} {mfu:>6} "
-              f"{r['loop_overhead']:>7.2%}{tensors}")
+              f"{r['loop_overhead']:>7.2%}{tensors} {isa}")
     what = "one decoding step after the context, greedy" if args.decode else "forward, loss, backward, optimizer step"
     allocators = ", ".join(sorted({r["cpu_allocator"] for r in table}))
     notes = [f"{what}; {args.precision}, {args.threads} threads, {allocators} cpu allocator, median of {args.steps} "

@@ -5,7 +5,9 @@
  * gradient is kept (selection passes none).
  * Given the compressed values, the same probabilities also give the compressed branch's output
  * and log-sum-exp, so that a training step scores each query against the compressed keys once (as
- * the paper reuses them); its backward is flash attention's (kernels/compressed_attention/).
+ * the paper reuses them). Its backward (compressed_backward, below) recomputes each query's
+ * probabilities from the log-sum-exp the pass kept, as flash attention's does, over the same
+ * visible blocks, with the same register-blocked products.
  *
  * Layouts (contiguous):
  *   q        [bh, g, m, d] fp32, the query of head h at position t of batch * kv head b at
@@ -33,6 +35,9 @@ typedef struct {
     int64_t bh, g, m, d, blocks, blocks_tiled, block, stride, fine_block, unit, forced, free;
     int64_t heads, q_b, q_h, q_g, q_m;
     float scale;
+    /* the backward's (compressed_backward) */
+    const float *vc_t, *dout, *out_f, *kc;
+    float *dq, *dkc, *dvc; /* dkc, dvc: [threads, bh, blocks, d] partial sums, one per thread */
 } Problem;
 
 INLINE int64_t visible_blocks(const Problem *p, int64_t t) {
@@ -42,27 +47,59 @@ INLINE int64_t visible_blocks(const Problem *p, int64_t t) {
 }
 
 /* scores[r][0..hi) = scale * (q_r . key j) for QUERIES query rows at once (row stride d), so that
- * each tile of keys loaded serves them all: one vector multiply-add per row and dimension. */
+ * each tile of keys loaded serves several rows: one vector multiply-add per row, register and
+ * dimension. The rows go in blocks whose accumulators fill half the ISA's registers (AVX-512: all 8
+ * rows, one register a tile; AVX2: 4 rows, two registers a tile), the rest holding keys. */
+#define SCORE_ROWS (VEC_REGS / 2 / VEC_PER_TILE < QUERIES ? VEC_REGS / 2 / VEC_PER_TILE : QUERIES)
 INLINE void rows_scores(float *scores, int64_t ld, const float *q, const float *tiles, int64_t d, int64_t hi,
                         float scale) {
     for (int64_t t0 = 0; t0 < hi; t0 += TILE) {
         const float *tile = tiles + t0 * d;
-        vec acc[QUERIES];
-        for (int r = 0; r < QUERIES; r++) acc[r] = (vec){0};
-        for (int64_t e = 0; e < d; e++) {
-            const vec keys = *(const vec *)(tile + e * TILE);
-            for (int r = 0; r < QUERIES; r++) acc[r] += q[r * d + e] * keys;
+        for (int r0 = 0; r0 < QUERIES; r0 += SCORE_ROWS) {
+            vec acc[SCORE_ROWS][VEC_PER_TILE];
+            for (int r = 0; r < SCORE_ROWS; r++)
+                for (int x = 0; x < VEC_PER_TILE; x++) acc[r][x] = (vec){0};
+            for (int64_t e = 0; e < d; e++) {
+                vec keys[VEC_PER_TILE];
+                for (int x = 0; x < VEC_PER_TILE; x++) keys[x] = *(const vec *)(tile + e * TILE + x * VEC);
+                for (int r = 0; r < SCORE_ROWS; r++)
+                    for (int x = 0; x < VEC_PER_TILE; x++) acc[r][x] += q[(r0 + r) * d + e] * keys[x];
+            }
+            for (int r = 0; r < SCORE_ROWS; r++)
+                for (int x = 0; x < VEC_PER_TILE; x++)
+                    *(vec *)(scores + (r0 + r) * ld + t0 + x * VEC) = acc[r][x] * scale;
         }
-        for (int r = 0; r < QUERIES; r++) *(vec *)(scores + r * ld + t0) = acc[r] * scale;
     }
 }
 
 /* out[r] = inverse[r] * sum over j < count of weights[r][j] * values[j], for ROWS_AT_ONCE rows (row
  * stride ld for weights, d for out): each value row loaded serves them all, the sums in vector
- * registers (d a constant multiple of TILE after inlining). Weights past a row's own count are 0. */
+ * registers (d a constant multiple of VEC after inlining), d in pieces of VALUE_REGS registers so
+ * that the sums fill half the ISA's registers (AVX-512: d = 64 in one piece; AVX2: 16 floats a
+ * piece). Weights past a row's own count are 0. */
+#define VALUE_REGS (VEC_REGS / 2 / ROWS_AT_ONCE)
+/* registers x0..x0+regs of rows_weighted_values (regs a constant after inlining, so that the sums
+ * are registers: a width known only at run time put them on the stack) */
+INLINE void weighted_values_piece(float *const *out, const float *weights, int64_t ld, const float *inverse,
+                                  const float *values, int64_t count, const int64_t d, int64_t x0, const int regs) {
+    vec acc[ROWS_AT_ONCE][VALUE_REGS];
+    for (int r = 0; r < ROWS_AT_ONCE; r++)
+        for (int x = 0; x < regs; x++) acc[r][x] = (vec){0};
+    for (int64_t j = 0; j < count; j++) {
+        const float *row = values + j * d + x0 * VEC;
+        for (int x = 0; x < regs; x++) {
+            const vec v = *(const vec *)(row + x * VEC);
+            for (int r = 0; r < ROWS_AT_ONCE; r++) acc[r][x] += weights[r * ld + j] * v;
+        }
+    }
+    for (int r = 0; r < ROWS_AT_ONCE; r++)
+        if (out[r])
+            for (int x = 0; x < regs; x++) *(vec *)(out[r] + (x0 + x) * VEC) = acc[r][x] * inverse[r];
+}
+
 INLINE void rows_weighted_values(float *const *out, const float *weights, int64_t ld, const float *inverse,
                                  const float *values, int64_t count, const int64_t d) {
-    if (d % TILE || d > MAX_DIM) { /* any other width: plain multiply-adds */
+    if (d % VEC) { /* any other width: plain multiply-adds */
         for (int r = 0; r < ROWS_AT_ONCE; r++) {
             if (!out[r]) continue;
             memset(out[r], 0, d * sizeof(float));
@@ -74,19 +111,10 @@ INLINE void rows_weighted_values(float *const *out, const float *weights, int64_
         }
         return;
     }
-    vec acc[ROWS_AT_ONCE][MAX_DIM / TILE];
-    for (int r = 0; r < ROWS_AT_ONCE; r++)
-        for (int64_t x = 0; x < d / TILE; x++) acc[r][x] = (vec){0};
-    for (int64_t j = 0; j < count; j++) {
-        const float *row = values + j * d;
-        for (int64_t x = 0; x < d / TILE; x++) {
-            const vec v = *(const vec *)(row + x * TILE);
-            for (int r = 0; r < ROWS_AT_ONCE; r++) acc[r][x] += weights[r * ld + j] * v;
-        }
-    }
-    for (int r = 0; r < ROWS_AT_ONCE; r++)
-        if (out[r])
-            for (int64_t x = 0; x < d / TILE; x++) *(vec *)(out[r] + x * TILE) = acc[r][x] * inverse[r];
+    int64_t x0 = 0;
+    for (; x0 + VALUE_REGS <= d / VEC; x0 += VALUE_REGS)
+        weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, VALUE_REGS);
+    for (; x0 < d / VEC; x0++) weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, 1);
 }
 
 /* probs[r][0..visible_r) = the group's summed softmax over the compressed blocks visible to query
@@ -193,6 +221,150 @@ static void *select_work(void *arg) {
     }
     free(scores);
     return NULL;
+}
+
+/* acc[j] += sum over the QUERIES rows r of weights[r][j] * rows[r], for j < count (acc rows of d
+ * floats, weights with row stride ld): dkc += ds^T q and dvc += p^T dout, as a matrix product in
+ * register tiles of OUTER_J accumulator rows by OUTER_X registers (half the ISA's registers;
+ * AVX2: 4 rows of 16 floats, AVX-512: 4 rows of 64), each loaded and stored once per call while
+ * the QUERIES rows stream past: 2 + OUTER_J loads per 2 * OUTER_J multiply-adds on AVX2, with no
+ * chain of adds into one register (one accumulator row at a time waited on its own adds). The
+ * rows are added in their order, as one at a time would. nj, regs: constants after inlining. */
+#define OUTER_J 4
+#define OUTER_X (VEC_REGS / 2 / OUTER_J)
+INLINE void outer_tile(float *acc, const float *weights, int64_t ld, const float *rows, int64_t j0, const int nj,
+                       const int64_t d, int64_t x0, const int regs) {
+    vec sum[OUTER_J][OUTER_X];
+    for (int jj = 0; jj < nj; jj++)
+        for (int x = 0; x < regs; x++) sum[jj][x] = *(const vec *)(acc + (j0 + jj) * d + (x0 + x) * VEC);
+    for (int r = 0; r < QUERIES; r++) {
+        vec row[OUTER_X];
+        for (int x = 0; x < regs; x++) row[x] = *(const vec *)(rows + r * d + (x0 + x) * VEC);
+        for (int jj = 0; jj < nj; jj++) {
+            const float a = weights[r * ld + j0 + jj];
+            for (int x = 0; x < regs; x++) sum[jj][x] += a * row[x];
+        }
+    }
+    for (int jj = 0; jj < nj; jj++)
+        for (int x = 0; x < regs; x++) *(vec *)(acc + (j0 + jj) * d + (x0 + x) * VEC) = sum[jj][x];
+}
+
+INLINE void outer_columns(float *acc, const float *weights, int64_t ld, const float *rows, int64_t count,
+                          const int64_t d, int64_t x0, const int regs) {
+    int64_t j0 = 0;
+    for (; j0 + OUTER_J <= count; j0 += OUTER_J) outer_tile(acc, weights, ld, rows, j0, OUTER_J, d, x0, regs);
+    switch (count - j0) { /* the last rows, with a constant count each */
+    case 3: outer_tile(acc, weights, ld, rows, j0, 3, d, x0, regs); break;
+    case 2: outer_tile(acc, weights, ld, rows, j0, 2, d, x0, regs); break;
+    case 1: outer_tile(acc, weights, ld, rows, j0, 1, d, x0, regs); break;
+    default: break;
+    }
+}
+
+INLINE void rows_outer_accumulate(float *acc, const float *weights, int64_t ld, const float *rows, int64_t count,
+                                  const int64_t d) {
+    if (d % VEC) { /* any other width: plain multiply-adds */
+        for (int64_t j = 0; j < count; j++)
+            for (int r = 0; r < QUERIES; r++) {
+                const float a = weights[r * ld + j];
+#pragma omp simd
+                for (int64_t e = 0; e < d; e++) acc[j * d + e] += a * rows[r * d + e];
+            }
+        return;
+    }
+    int64_t x0 = 0;
+    for (; x0 + OUTER_X <= d / VEC; x0 += OUTER_X) outer_columns(acc, weights, ld, rows, count, d, x0, OUTER_X);
+    for (; x0 < d / VEC; x0++) outer_columns(acc, weights, ld, rows, count, d, x0, 1);
+}
+
+/* The backward of QUERIES queries from t0 of batch * kv head b, each head of the group in turn:
+ * p = exp(scale q.k - lse) over the visible blocks, dp = dout . v, ds = scale p (dp - dout . out);
+ * dq = ds kc, and this thread's dkc += ds q, dvc += p dout. Rows past the sequence see no block. */
+INLINE void backward_rows_of(const Problem *p, int64_t b, int64_t t0, float *probs, float *dprobs, float *q,
+                             float *dout, int thread, const int64_t d) {
+    const int64_t ld = p->blocks_tiled;
+    int64_t visible[QUERIES];
+    for (int r = 0; r < QUERIES; r++) visible[r] = t0 + r < p->m ? visible_blocks(p, t0 + r) : 0;
+    int64_t most = 0;
+    for (int r = 0; r < QUERIES; r++) most = visible[r] > most ? visible[r] : most;
+    if (most == 0) return; /* dq stays 0 (zeroed by the caller) */
+    const int64_t last = p->m - 1;
+    float *dkc = p->dkc + (thread * p->bh + b) * p->blocks * d, *dvc = p->dvc + (thread * p->bh + b) * p->blocks * d;
+    for (int64_t h = 0; h < p->g; h++) {
+        const int64_t head = (b * p->g + h) * p->m;
+        float delta[QUERIES], lse[QUERIES];
+        for (int r = 0; r < QUERIES; r++) {
+            const int64_t t = t0 + r < last ? t0 + r : last;
+            memcpy(q + r * d, p->q + (b / p->heads) * p->q_b + (b % p->heads) * p->q_h + h * p->q_g + t * p->q_m,
+                   d * sizeof(float));
+            memcpy(dout + r * d, p->dout + (head + t) * d, d * sizeof(float));
+            const float *o = p->out_f + (head + t) * d;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t e = 0; e < d; e++) dot += dout[r * d + e] * o[e];
+            delta[r] = dot;
+            lse[r] = p->lse[head + t];
+        }
+        rows_scores(probs, ld, q, p->kc_t + b * ld * d, d, most, p->scale);
+        rows_scores(dprobs, ld, dout, p->vc_t + b * ld * d, d, most, 1.0f);
+        for (int r = 0; r < QUERIES; r++) {
+            float *pr = probs + r * ld, *dr = dprobs + r * ld;
+            const int64_t count = visible[r];
+            const float top = lse[r], dot = delta[r], scale = p->scale;
+#pragma omp simd
+            for (int64_t j = 0; j < count; j++) {
+                pr[j] = exp_nonpositive(pr[j] - top);
+                dr[j] = scale * pr[j] * (dr[j] - dot);
+            }
+            for (int64_t j = count; j < most; j++) pr[j] = 0.0f, dr[j] = 0.0f; /* blocks it cannot see */
+        }
+        for (int r0 = 0; r0 < QUERIES; r0 += ROWS_AT_ONCE) {
+            float *dq[ROWS_AT_ONCE];
+            const float ones[ROWS_AT_ONCE] = {1.0f, 1.0f, 1.0f, 1.0f};
+            for (int r = 0; r < ROWS_AT_ONCE; r++)
+                dq[r] = t0 + r0 + r < p->m ? p->dq + (head + t0 + r0 + r) * d : NULL;
+            rows_weighted_values(dq, dprobs + r0 * ld, ld, ones, p->kc + b * p->blocks * d, most, d);
+        }
+        for (int r = 0; r < QUERIES; r++) /* rows past the sequence: their (repeated) rows carry weight 0 */
+            if (t0 + r >= p->m) memset(dout + r * d, 0, d * sizeof(float)), memset(q + r * d, 0, d * sizeof(float));
+        rows_outer_accumulate(dkc, dprobs, ld, q, most, d);
+        rows_outer_accumulate(dvc, probs, ld, dout, most, d);
+    }
+}
+
+static void *backward_work(void *arg) {
+    Work *work = arg;
+    const Problem *p = work->problem;
+    const int64_t ld = p->blocks_tiled, groups = (p->m + QUERIES - 1) / QUERIES;
+    float *probs = malloc((size_t)(QUERIES * (2 * ld + 2 * p->d)) * sizeof(float));
+    if (!probs) { work->failed = 1; return NULL; }
+    float *dprobs = probs + QUERIES * ld, *q = dprobs + QUERIES * ld, *dout = q + QUERIES * p->d;
+    for (int64_t r = work->first; r < work->last; r += work->step) {
+        const int64_t b = r / groups, t0 = r % groups * QUERIES;
+        if (p->d == 64) backward_rows_of(p, b, t0, probs, dprobs, q, dout, work->thread, 64);
+        else backward_rows_of(p, b, t0, probs, dprobs, q, dout, work->thread, p->d);
+    }
+    free(probs);
+    return NULL;
+}
+
+/* The gradients of block_selection's attention output (q, kc_t and lse as there; all contiguous):
+ *   vc_t       [bh, blocks / TILE, d, TILE]  the compressed values in transposed tiles
+ *   kc         [bh, blocks, d]               the compressed keys as rows
+ *   dout, out  [bh, g, m, d]                 the output's gradient and the output
+ *   dq         [bh, g, m, d] out, zeroed by the caller
+ *   dkc, dvc   [threads, bh, blocks, d] out, zeroed by the caller: each thread's share, to be summed */
+int compressed_backward(const float *q, const float *kc_t, const float *vc_t, const float *kc, const float *dout,
+                        const float *out, const float *lse, float *dq, float *dkc, float *dvc, int64_t bh, int64_t g,
+                        int64_t m, int64_t d, int64_t blocks, int64_t block, int64_t stride, int64_t heads,
+                        int64_t q_b, int64_t q_h, int64_t q_g, int64_t q_m, float scale, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256; /* as run_rows clamps them: one partial sum per thread */
+    Problem p = {.q = q, .kc_t = kc_t, .lse = (float *)lse, .bh = bh, .g = g, .m = m, .d = d, .blocks = blocks,
+                 .blocks_tiled = (blocks + TILE - 1) / TILE * TILE, .block = block, .stride = stride, .heads = heads,
+                 .q_b = q_b, .q_h = q_h, .q_g = q_g, .q_m = q_m, .scale = scale, .vc_t = vc_t, .dout = dout,
+                 .out_f = out, .kc = kc, .dq = dq, .dkc = dkc, .dvc = dvc};
+    return run_rows(&p, bh * ((m + QUERIES - 1) / QUERIES), threads, 1, backward_work);
 }
 
 static int64_t gcd(int64_t a, int64_t b) { return b ? gcd(b, a % b) : a; }

@@ -80,12 +80,35 @@ static inline const int32_t *row_spans(const Problem *p, int64_t b, int64_t i) {
     return p->spans + ((p->spans_shared ? 0 : b * p->m) + i) * p->S * 2;
 }
 
+/* d in pieces of ROW_REGS registers a head, so that the sums fill half the ISA's registers (AVX-512:
+ * d = 64 in one piece; AVX2: two pieces of 32 floats); regs a constant after inlining, so that the
+ * sums are registers (a width known only at run time put them on the stack) */
+#define ROW_REGS (VEC_REGS / 4)
+INLINE void weighted_rows_piece(float *const *out, const float *const *coef, const int nh, const int32_t *span,
+                                int64_t S, const float *rows, int64_t row_stride, int64_t x0, const int regs) {
+    vec acc[2][ROW_REGS];
+    for (int h = 0; h < nh; h++)
+        for (int x = 0; x < regs; x++) acc[h][x] = (vec){0};
+    int64_t c = 0;
+    for (int64_t s = 0; s < S; s++) {
+        for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) {
+            const float *row = rows + j * row_stride + x0 * VEC;
+            for (int x = 0; x < regs; x++) {
+                const vec r = *(const vec *)(row + x * VEC);
+                for (int h = 0; h < nh; h++) acc[h][x] += coef[h][c] * r;
+            }
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int x = 0; x < regs; x++) *(vec *)(out[h] + (x0 + x) * VEC) = acc[h][x];
+}
+
 /* out[h][0..d) = sum over the spans' keys j (in order, c counting them) of coef[h][c] * row j, for
  * nh = 1 or 2 heads in one pass over the rows: the sums stay in vector registers (when d is a
- * constant multiple of TILE after inlining) instead of going through memory once per key. */
+ * constant multiple of VEC after inlining) instead of going through memory once per key. */
 INLINE void weighted_rows(float *const *out, const float *const *coef, const int nh, const int32_t *span,
                           int64_t S, const float *rows, int64_t row_stride, int64_t d) {
-    if (d % TILE || d > MAX_DIM) { /* any other width: plain multiply-adds */
+    if (d % VEC) { /* any other width: plain multiply-adds */
         for (int h = 0; h < nh; h++) memset(out[h], 0, d * sizeof(float));
         int64_t c = 0;
         for (int64_t s = 0; s < S; s++)
@@ -98,21 +121,9 @@ INLINE void weighted_rows(float *const *out, const float *const *coef, const int
                 }
         return;
     }
-    vec acc[2][MAX_DIM / TILE];
-    for (int h = 0; h < nh; h++)
-        for (int64_t x = 0; x < d / TILE; x++) acc[h][x] = (vec){0};
-    int64_t c = 0;
-    for (int64_t s = 0; s < S; s++) {
-        for (int64_t j = span[2 * s]; j < span[2 * s + 1]; j++, c++) {
-            const float *row = rows + j * row_stride;
-            for (int64_t x = 0; x < d / TILE; x++) {
-                const vec r = *(const vec *)(row + x * TILE);
-                for (int h = 0; h < nh; h++) acc[h][x] += coef[h][c] * r;
-            }
-        }
-    }
-    for (int h = 0; h < nh; h++)
-        for (int64_t x = 0; x < d / TILE; x++) *(vec *)(out[h] + x * TILE) = acc[h][x];
+    int64_t x0 = 0;
+    for (; x0 + ROW_REGS <= d / VEC; x0 += ROW_REGS) weighted_rows_piece(out, coef, nh, span, S, rows, row_stride, x0, ROW_REGS);
+    for (; x0 < d / VEC; x0++) weighted_rows_piece(out, coef, nh, span, S, rows, row_stride, x0, 1);
 }
 
 /* Scores of nh query heads over the spans, into scores[h][0..count); returns count. */
