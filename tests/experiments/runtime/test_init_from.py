@@ -189,6 +189,16 @@ def test_a_bad_source_stops_train_py_with_one_line(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_resume_naming_other_weights_beside_init_from_is_refused_in_one_line(dense_run, tmp_path):
+    source = dense_run / "checkpoints" / "step_0000007.pt"
+    result = train(tmp_path / "run", f"trainer.init_from={dense_run}", f"trainer.resume={source}", check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: trainer.resume={source} and trainer.init_from={dense_run} both name weights to start from: keep "
+        "trainer.init_from (a new run from its weights) and trainer.resume=auto")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # ---- the config: DSA's warm-up follows init_from ----------------------------------------------------
 
 
