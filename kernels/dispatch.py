@@ -32,6 +32,15 @@ def _installed(name: str) -> bool:
 TRITON_INSTALLED = _installed("triton")  # looked up once, without importing Triton
 
 
+def constant_result(fn: Callable) -> Callable:
+    """torch.compiler.assume_constant_result's mark (torch.compile calls fn once and uses its answer,
+    never tracing into the compiler's files it reads), set without importing Dynamo: the decorator
+    imports it, ~2 s at every process's start, and most processes never compile.
+    tests/kernels/test_dispatch.py checks that the mark is torch's own."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def triton_interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (on CPU tensors) rather than compiling them."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -10,6 +10,10 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import power_of_two, refuse, triton_interpreting  # noqa: F401 (the kernels' shape checks)
+from kernels.triton_interpreter import quicken
+
+if triton_interpreting():
+    quicken()
 
 
 def tiles_usable(dtype: torch.dtype, *sides: int) -> bool:

@@ -236,6 +236,8 @@ class DeepSpeedBackend(DDPBackend):
     def prepare(self, prefix: str, model: nn.Module, make_optimizer: Callable) -> Trainee:
         import deepspeed
 
+        if self.device.type == "cpu":
+            skip_shared_memory_all_reduce(deepspeed)
         model = model.to(self.device)
         optimizer = make_optimizer(model.parameters())
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
@@ -352,3 +354,13 @@ def _json_file(path: str, key: str) -> dict:
     if not isinstance(config, dict):
         raise UserError(f"{key}={path} holds a JSON {type(config).__name__}, not an object of DeepSpeed settings")
     return config
+
+
+def skip_shared_memory_all_reduce(deepspeed) -> None:
+    """DeepSpeed's CPU backend compiles a shared-memory all-reduce (the deepspeed_shm_comm op: C++
+    built on the run's first use, ~1.5 min on 2 cores) that only its inference all-reduce calls;
+    training's collectives go through gloo. Marked incompatible here, it is not built. A DeepSpeed
+    without this registry builds it as before."""
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False

@@ -47,7 +47,7 @@ def triton_problem(group: int, dim_head: int, fine: int) -> Optional[str]:
             or dispatch.power_of_two("fine_block_size", fine, 128, verb="to be"))
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads the answer, never the compiler's files
+@dispatch.constant_result  # torch.compile reads the answer, never the compiler's files
 def cpu_built() -> bool:
     """Whether the CPU kernels are built, or can be built, here (a C compiler)."""
     from kernels.nsa_attention.compressed import cpu_selection_available

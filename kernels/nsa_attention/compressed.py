@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import flops
+from kernels import dispatch, flops
 from kernels.nsa_attention.blocks import visible_compressed
 from kernels.nsa_attention.compressed_chunked import CompressedAttention, Layout, select
 from kernels.native import load, pointer, row_strides, rows_as_they_lie, transposed_tiles
@@ -130,7 +130,7 @@ def _row_split(m: int, block: int, stride: int) -> tuple[int, int, int]:
     return first, (m - first) // stride, (m - first) % stride
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads the answer, never the compiler's files
+@dispatch.constant_result  # torch.compile reads the answer, never the compiler's files
 def cpu_selection_available() -> bool:
     """Whether cpu_compressed_selection's C kernel is built (or can be built) here."""
     return _library() is not None

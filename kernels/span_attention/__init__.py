@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import flops
+from kernels import dispatch, flops
 from kernels.native import load, pointer, row_strides, rows_as_they_lie, transposed_tiles
 
 _SOURCE = Path(__file__).with_name("span_attention.c")
@@ -25,7 +25,7 @@ _SIGNATURES = (("span_attention_forward", 9, 16), ("span_attention_backward", 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads the answer, never the compiler's files
+@dispatch.constant_result  # torch.compile reads the answer, never the compiler's files
 def available() -> bool:
     """Whether the CPU kernel is built (or can be built) here."""
     return _library() is not None

@@ -1,0 +1,64 @@
+"""Triton's interpreter (TRITON_INTERPRET=1: the kernels on a CPU, for the tests and the counts)
+without its cost per helper call.
+
+The interpreter patches `triton.language` for the launch it runs, then again, with a scan of the
+whole language (`inspect.getmembers`, ~3 ms), on every call of a `@triton.jit` helper inside it
+(`interpreter.InterpretedFunction.__call__`), though the launch has patched the same modules and
+nothing in between restores them. The NSA kernels call their helpers in per-position loops: at
+the budget test's group of 16 that was 17,000 rescans in one forward, most of its minute. Here a
+helper's call inside a launch that patched the same language modules patches nothing; every other
+call (a launch, the first call of a helper whose module sees other modules, as Triton's `tl.max`
+sees `triton.language.core`) goes through Triton's own patching. What
+the kernels compute is unchanged (tests/kernels/test_triton_interpreter.py, bit for bit)."""
+
+import inspect
+
+_ACTIVE: list[frozenset] = []  # the language modules the running launch patched (launches do not nest)
+
+
+class _NothingPatched:
+    def restore(self) -> None:
+        pass
+
+
+def _languages(fn) -> frozenset:
+    """The language modules Triton's `_patch_lang` would patch for fn: those of its globals."""
+    import triton.language as tl
+
+    return frozenset(id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core))
+
+
+def quicken() -> bool:
+    """Patch the language once per launch, not once per helper call. Returns whether the interpreter
+    is quickened (False where this Triton has no `_patch_lang` to wrap: it then runs as shipped)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None:
+        return False
+    if getattr(patch, "quickened", False):
+        return True
+
+    def patch_once(fn):
+        languages = _languages(fn)
+        if _ACTIVE and languages <= _ACTIVE[0]:
+            return _NothingPatched()  # a helper inside a launch that patched these modules already
+        scope = patch(fn)
+        if _ACTIVE:  # a helper that sees other modules (Triton's own tl.max sees triton.language.core):
+            _ACTIVE[0] |= languages  # patched as Triton does, a patch it never restores
+            return scope
+        _ACTIVE.append(languages)  # a launch: its scope's restore ends it
+        restore = scope.restore
+
+        def end_launch():
+            _ACTIVE.clear()
+            restore()
+
+        scope.restore = end_launch
+        return scope
+
+    patch_once.quickened = True
+    interpreter._patch_lang = patch_once
+    return True
