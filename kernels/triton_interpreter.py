@@ -45,7 +45,7 @@ def quicken() -> bool:
         languages = _languages(fn)
         if _ACTIVE and languages <= _ACTIVE[0]:
             return _NothingPatched()  # a helper inside a launch that patched these modules already
-        scope = patch(fn)
+        scope = patch_once.original(fn)
         if _ACTIVE:  # a helper that sees other modules (Triton's own tl.max sees triton.language.core):
             _ACTIVE[0] |= languages  # patched as Triton does, a patch it never restores
             return scope
@@ -59,6 +59,6 @@ def quicken() -> bool:
         scope.restore = end_launch
         return scope
 
-    patch_once.quickened = True
+    patch_once.quickened, patch_once.original = True, patch
     interpreter._patch_lang = patch_once
     return True

@@ -42,3 +42,10 @@ def test_a_knob_that_cannot_run_is_refused_in_one_line():
         dispatch.check("cpu", "DSA")
     with pytest.raises(ValueError, match="kernel='fast' must be one of auto, torch, cpu, triton"):
         dispatch.check("fast", "NSA")
+
+
+def test_the_constant_mark_is_torchs_own():
+    """dispatch.constant_result sets what torch.compiler.assume_constant_result sets, without
+    importing Dynamo (so a torch upgrade that changes the mark shows here)."""
+    ours, torchs = dispatch.constant_result(lambda: True), torch.compiler.assume_constant_result(lambda: True)
+    assert vars(ours) == vars(torchs) and vars(ours)
