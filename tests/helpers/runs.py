@@ -65,13 +65,76 @@ TINY_DVAE = ["experiment=dvae", *(o.replace("vae.", "model.") for o in TINY_DALL
 
 
 def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 300,
-          base: list[str] = TINY_LM) -> subprocess.CompletedProcess:
-    """Run `python train.py` in `run_dir`: the tiny dense model unless `base` says otherwise."""
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *base, *overrides]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=run_env())
+          base: list[str] = TINY_LM, process: bool = False) -> subprocess.CompletedProcess:
+    """Run `python train.py` in `run_dir`: the tiny dense model unless `base` says otherwise.
+
+    In this process (train.py's own `__main__`, as a sweep runs its jobs one after another in one
+    process), which saves a Python, torch and Hydra start (~4 s) a run; in a process of its own
+    where the process is what is tested (`process=True`: exit statuses, imports) or where a run
+    changes what a process keeps (the ddp and deepspeed backends' process groups, trainer.compile's
+    caches). `timeout` binds only a run in its own process."""
+    args = [f"hydra.run.dir={run_dir}", *base, *overrides]
+    if process or any(a.startswith(OWN_PROCESS) for a in args):
+        result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                                timeout=timeout, env=run_env())
+    else:
+        result = train_here(args)
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+# overrides whose runs leave state in a process: each runs in one of its own
+OWN_PROCESS = ("backend=ddp", "backend=deepspeed", "trainer.compile=", "--local_rank")
+
+
+def train_here(args: list[str]) -> subprocess.CompletedProcess:
+    """train.py's `__main__` with these arguments, in this process: its exit status and what it
+    printed, as a subprocess would give them. What a run sets for its process (environment, working
+    directory, logging, threads, deterministic algorithms, the CPU allocator) is put back after."""
+    import contextlib
+    import io
+    import logging
+    import runpy
+    import traceback
+
+    import torch
+
+    from experiments.runtime import allocator
+
+    environ, cwd, argv = dict(os.environ), os.getcwd(), sys.argv
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    threads, deterministic, memory = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), \
+        allocator.active()
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    os.environ.update(run_env())
+    os.chdir(ROOT)
+    sys.argv = [str(ROOT / "train.py"), *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+            except SystemExit as exit:
+                if isinstance(exit.code, str):  # sys.exit("error: ...") prints it, status 1
+                    print(exit.code, file=sys.stderr)
+                status = exit.code if isinstance(exit.code, int) else 1 if exit.code is not None else 0
+            except Exception:
+                traceback.print_exc()
+                status = 1
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:], root.level = handlers, level
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        sys.argv = argv
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        allocator.use(memory)
+    return subprocess.CompletedProcess(["train.py", *args], status, out.getvalue(), err.getvalue())
 
 
 def start_train(run_dir: Path, *overrides: str, base: list[str] = TINY_LM) -> subprocess.Popen:
