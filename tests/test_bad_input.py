@@ -21,7 +21,7 @@ import torch
 
 from experiments.config.checks import check_config, composition_error
 from experiments.runtime.errors import UserError
-from tests.helpers.runs import ROOT, TINY_LM, read_metrics, read_summary, run_env, start_long_train, train
+from tests.helpers.runs import ROOT, TINY_LM, read_metrics, read_summary, run_env, start_long_train, train, train_py
 
 # ---- config values: every group, checked before anything is built ---------------------------------
 
@@ -360,8 +360,7 @@ def test_a_checkpoint_the_disk_refuses_is_one_line_and_a_rerun_goes_on(tmp_path,
 
 def test_a_run_directory_that_is_a_file(tmp_path):
     (tmp_path / "taken").write_text("a file")
-    result = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'taken' / 'run'}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, env=run_env())
+    result = train_py(f"hydra.run.dir={tmp_path / 'taken' / 'run'}")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: hydra.run.dir={tmp_path / 'taken' / 'run'}: {tmp_path / 'taken'} is a " \
                                     "file, not a directory: choose another hydra.run.dir"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.runs import (ROOT, TINY, TINY_NSA, kill_after_first_checkpoint, losses, read_metrics, read_summary,
-                                run_env, start_long_train, train)
+                                run_env, start_long_train, train, train_py)
 
 
 def test_a_few_steps_write_every_file_of_the_run_directory(tmp_path):
@@ -68,9 +68,7 @@ def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
 @pytest.mark.slow
 def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY_NSA, "trainer.max_steps=2",
-           "model.kv_heads=1,3"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=run_env())
+    result = train_py("-m", f"hydra.sweep.dir={sweep}", *TINY_NSA, "trainer.max_steps=2", "model.kv_heads=1,3")
     assert result.returncode == 0, result.stderr
     good, bad = sweep / "model.kv_heads=1" / "seed=0", sweep / "model.kv_heads=3" / "seed=0"
     assert read_summary(good)["status"] == "completed"
@@ -81,9 +79,9 @@ def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
 @pytest.mark.slow
 def test_two_job_sweep_of_the_issue_leaves_two_directories(tmp_path):
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", *TINY, "model=transformer",
-           "trainer.max_steps=2", "model.depth=1,2", "trainer.seed=0,1"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300, env=run_env())
+    result = train_py("-m", f"hydra.sweep.dir={sweep}", *TINY, "model=transformer", "trainer.max_steps=2",
+                      "model.depth=1,2", "trainer.seed=0,1")
+    assert result.returncode == 0, result.stderr[-3000:]
     jobs = sorted(str(p.parent.relative_to(sweep)) for p in sweep.rglob("summary.json"))
     assert jobs == ["model.depth=1/seed=0", "model.depth=1/seed=1", "model.depth=2/seed=0", "model.depth=2/seed=1"]
 

@@ -73,15 +73,19 @@ def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 3
     where the process is what is tested (`process=True`: exit statuses, imports) or where a run
     changes what a process keeps (the ddp and deepspeed backends' process groups, trainer.compile's
     caches). `timeout` binds only a run in its own process."""
-    args = [f"hydra.run.dir={run_dir}", *base, *overrides]
-    if process or any(a.startswith(OWN_PROCESS) for a in args):
-        result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                                timeout=timeout, env=run_env())
-    else:
-        result = train_here(args)
+    result = train_py(f"hydra.run.dir={run_dir}", *base, *overrides, process=process, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def train_py(*args: str, process: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python train.py args` (a run or a `-m` sweep): in this process unless `process` or an
+    override in OWN_PROCESS asks for one of its own (train() says why)."""
+    if process or any(a.startswith(OWN_PROCESS) for a in args):
+        return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, env=run_env())
+    return train_here(list(args))
 
 
 # overrides whose runs leave state in a process: each runs in one of its own

@@ -14,16 +14,16 @@ from matplotlib.image import imread
 from experiments.config.resolvers import job_subdir
 from experiments.review.runs import find_runs, main
 from experiments.review.plots import pareto_front
-from tests.helpers.runs import ROOT, TINY, TINY_NSA, run_env
+from tests.helpers.runs import ROOT, TINY, TINY_NSA, run_env, train_py
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     """Two tiny NSA jobs over two seeds, plus one configuration that fails."""
     directory = tmp_path_factory.mktemp("review") / "sweep"
-    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={directory}", *TINY_NSA, "trainer.max_steps=4",
-           "trainer.validate_every=2", "model.kv_heads=1,3", "trainer.seed=0,1"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300, env=run_env())
+    result = train_py("-m", f"hydra.sweep.dir={directory}", *TINY_NSA, "trainer.max_steps=4", "trainer.validate_every=2",
+                      "model.kv_heads=1,3", "trainer.seed=0,1")
+    assert result.returncode == 0, result.stderr[-3000:]
     return directory
 
 
@@ -128,9 +128,8 @@ def test_job_directory_names_swept_keys_then_seed(monkeypatch):
 
 @pytest.mark.slow
 def test_optuna_preset_runs_trials_in_their_own_directories(tmp_path):
-    cmd = [sys.executable, "train.py", "-m", "experiment=nsa_optuna", "hydra.sweeper.n_trials=2",
-           f"hydra.sweep.dir={tmp_path}", *TINY, "model.kv_heads=1", "trainer.max_steps=2"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=run_env())
+    result = train_py("-m", "experiment=nsa_optuna", "hydra.sweeper.n_trials=2", f"hydra.sweep.dir={tmp_path}", *TINY,
+                      "model.kv_heads=1", "trainer.max_steps=2")
     assert result.returncode == 0, result.stderr
     jobs = sorted(p.parent.parent.name.split(",")[0] for p in tmp_path.rglob("summary.json"))
     assert jobs == ["trial=0", "trial=1"]

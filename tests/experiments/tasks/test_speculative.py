@@ -2,8 +2,6 @@
 from the target, and the end-of-run sample timing plain against speculative decoding; on CUDA (the
 gpu tier): the pair in each precision, and the preset."""
 
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +13,7 @@ from experiments.tasks.speculative import SpeculativeTask, compare_decoding, dis
 from models.lm import transformer_lm
 from models.transformer import IGNORE
 from tests.helpers.gpu import PRECISIONS, assert_loss_falls, train_on_cuda
-from tests.helpers.runs import ROOT, TINY, read_metrics, read_summary, run_env, train
+from tests.helpers.runs import TINY, read_metrics, read_summary, train, train_py
 
 
 def test_distillation_kl_is_the_kl_from_the_target_over_kept_positions():
@@ -110,9 +108,9 @@ SPEC_TINY = ["experiment=speculative", "model.depth=2", "draft.depth=1", "model.
 
 def test_speculative_task_trains_both_and_times_both_decoders(tmp_path, capsys):
     run = tmp_path / "run"
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run}", *SPEC_TINY, "trainer.max_steps=4",
-           "trainer.checkpoint_every=2", "task.distill_weight=0.5"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300, env=run_env())
+    result = train_py(f"hydra.run.dir={run}", *SPEC_TINY, "trainer.max_steps=4", "trainer.checkpoint_every=2",
+                      "task.distill_weight=0.5")
+    assert result.returncode == 0, result.stderr[-3000:]
     summary = read_summary(run)
     assert summary["task"] == "speculative" and summary["status"] == "completed"
     for key in ("val_bpc", "draft_val_bpc", "params", "draft_params", "speedup", "acceptance_rate",
@@ -182,6 +180,5 @@ def test_the_preset_runs_a_few_steps_on_cuda(tmp_path):
 
 
 def test_speculative_task_without_a_draft_says_how_to_add_one(tmp_path):
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *TINY, "model=transformer", "task=speculative"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=run_env())
+    out = train_py(f"hydra.run.dir={tmp_path}", *TINY, "model=transformer", "task=speculative")
     assert out.returncode != 0 and "needs a draft model" in out.stderr
