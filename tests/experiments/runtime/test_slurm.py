@@ -15,7 +15,7 @@ import pytest
 
 from experiments.runtime import launch
 from tests.experiments.runtime.test_distributed import torchrun
-from tests.helpers.runs import ROOT, TINY, losses, read_metrics, read_summary, run_env, train
+from tests.helpers.runs import ROOT, TINY, losses, read_metrics, read_summary, run_env, train, wandb_records
 from tests.helpers.slurm import slurm_cluster  # noqa: F401  (the fixture)
 
 LM = [*TINY, "model=transformer"]
@@ -256,11 +256,11 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
     a time limit (the run checkpoints at the end of its step, then submitit's handler requeues the
     job). Each time the job starts again in its own
     directory and resumes from its last checkpoint; it ends with the losses of an uninterrupted run,
-    every step once in metrics.jsonl, one summary."""
-    steps = [*LM, "trainer.max_steps=300", "trainer.checkpoint_every=20", "trainer.validate_every=0",
+    every step once in metrics.jsonl, one summary, and one wandb run (tracker=wandb, offline)."""
+    steps = ["trainer.max_steps=300", "trainer.checkpoint_every=20", "trainer.validate_every=0",
              "trainer.generate_every=0", "schedule=constant"]
     cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-           ONE_CPU, *steps, "trainer.seed=0"]
+           ONE_CPU, *(o for o in LM if o != "tracker=none"), "tracker=wandb", *steps, "trainer.seed=0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**run_env(), **slurm_cluster.env})
     job_dir = tmp_path / "sweep" / "seed=0"
@@ -286,7 +286,7 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, output[-3000:]
-    train(tmp_path / "whole", *steps[len(LM):])
+    train(tmp_path / "whole", *steps)
 
     log = (job_dir / "train.log").read_text()
     assert len(_resumed_steps(job_dir)) == 2, log[-3000:]
@@ -303,3 +303,14 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
     assert summary["status"] == "completed" and summary["step"] == 300
     assert sorted(p.name for p in job_dir.glob("summary*")) == ["summary.json"]
     assert "Restarts=2" in slurm_cluster.run("scontrol", "show", "job", "-o", job).stdout
+
+    # One wandb run across the restarts (its id the job directory's): SLURM's SIGTERM stops wandb's
+    # service too, losing what it had not written, and offline wandb cannot append to a closed run
+    # file, so each session logs metrics.jsonl's rows up to its checkpoint again and removes the
+    # earlier sessions' runs. One offline run is left: every step once, ending the run.
+    [session] = (job_dir / "wandb").glob("offline-run-*")
+    run_id = session.name.rsplit("-", 1)[1]
+    records = wandb_records(session / f"run-{run_id}.wandb")
+    assert [r.run.run_id for r in records if r.HasField("run")] == [run_id]
+    assert [r.history.step.num for r in records if r.HasField("history")] == rows
+    assert [r.exit.exit_code for r in records if r.HasField("exit")] == [0]
