@@ -314,3 +314,27 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
     assert [r.run.run_id for r in records if r.HasField("run")] == [run_id]
     assert [r.history.step.num for r in records if r.HasField("history")] == rows
     assert [r.exit.exit_code for r in records if r.HasField("exit")] == [0]
+
+
+@pytest.mark.slow
+def test_the_optuna_preset_runs_its_trials_as_job_arrays_and_names_the_best(slurm_cluster, tmp_path):
+    """experiment=nsa_optuna hydra/launcher=slurm: each batch of n_jobs trials is one job array, every
+    trial lands in its own trial=<n>,<its values>/seed=0/, and the sweep ends naming the best trial,
+    the one of least val_bpc."""
+    import yaml
+
+    result = sweep(slurm_cluster, tmp_path / "sweep", "experiment=nsa_optuna", "hydra.sweeper.n_trials=4",
+                   "hydra.sweeper.n_jobs=2", *TINY, "model.kv_heads=1", "trainer.max_steps=2", ONE_CPU)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = {p.parent.parent.name: read_summary(p.parent) for p in (tmp_path / "sweep").rglob("summary.json")}
+    assert sorted(name.split(",")[0] for name in trials) == [f"trial={n}" for n in range(4)]
+    assert all(s["status"] == "completed" for s in trials.values())
+    # two arrays of two tasks, one after the other (the sampler reads the first batch's values)
+    assert sorted(j.split("_")[1] for j in array_jobs(tmp_path / "sweep")) == ["0", "0", "1", "1"]
+
+    best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
+    assert best["best_value"] == min(s["val_bpc"] for s in trials.values())
+    best_values = {f"{k}={v}" for k, v in best["best_params"].items()}
+    named = [name for name in trials if set(name.split(",")[1:]) == best_values]
+    assert named and all(trials[name]["val_bpc"] == best["best_value"] for name in named)
+    assert f"Best parameters: {best['best_params']}" in result.stdout + result.stderr
