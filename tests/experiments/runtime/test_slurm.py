@@ -3,6 +3,7 @@ it; skipped where slurm is not installed, failed instead under CI=true): srun ra
 a sweep is one job array reviewed exactly as a local sweep, a preempted job resumes with the same
 losses, and a sweep the cluster cannot run is refused in one line before anything is submitted."""
 
+import contextlib
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import pytest
 
 from experiments.runtime import launch
 from tests.experiments.runtime.test_distributed import torchrun
-from tests.helpers.runs import ROOT, TINY, losses, read_metrics, read_summary, run_env, train, wandb_records
+from tests.helpers.runs import ROOT, TINY, losses, read_metrics, read_summary, run_env, wandb_records
 from tests.helpers.slurm import slurm_cluster  # noqa: F401  (the fixture)
 
 LM = [*TINY, "model=transformer"]
@@ -30,6 +31,24 @@ def sweep(cluster, sweep_dir: Path, *overrides: str, launcher: bool = True, time
            *(["hydra/launcher=slurm"] if launcher else []), *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**run_env(), **(cluster.env if cluster else {}), **(env or {})})
+
+
+@contextlib.contextmanager
+def meanwhile(log: Path, *args: str):
+    """`python train.py <args>`, the run a test compares a cluster's job with, run while the block
+    runs (the job's submission, scheduling and polling leave the CPUs idle much of the time); its
+    output in `log`. Waited for at the end."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env=run_env())
+    try:
+        yield proc
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-3000:]
 
 
 def array_jobs(sweep_dir: Path) -> list[str]:
@@ -174,10 +193,10 @@ def test_srun_two_tasks_train_one_run_as_torchrun_does(slurm_cluster, tmp_path):
 def test_a_sweep_job_of_two_tasks_trains_as_two_ranks(slurm_cluster, tmp_path):
     """hydra.launcher.tasks_per_node=2 backend=ddp: each job of the sweep is one run of two ranks
     (rank 1 logging to train.rank1.log), which trains as one process of twice the batch."""
-    result = sweep(slurm_cluster, tmp_path / "sweep", *LM, *STEPS, "backend=ddp", "trainer.batch_size=2",
-                   "trainer.seed=0", "hydra.launcher.tasks_per_node=2", ONE_CPU)
+    with meanwhile(tmp_path / "one.log", f"hydra.run.dir={tmp_path / 'one'}", *LM, *STEPS, "trainer.batch_size=4"):
+        result = sweep(slurm_cluster, tmp_path / "sweep", *LM, *STEPS, "backend=ddp", "trainer.batch_size=2",
+                       "trainer.seed=0", "hydra.launcher.tasks_per_node=2", ONE_CPU)
     assert result.returncode == 0, result.stderr[-3000:]
-    train(tmp_path / "one", *STEPS, "trainer.batch_size=4")
     job = tmp_path / "sweep" / "seed=0"
     assert "step 4" in (job / "train.rank1.log").read_text()
     assert (job / "train.log").read_text().count("parameters on cpu") == 1  # rank 0's lines only
@@ -272,21 +291,21 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
             time.sleep(0.05)
 
     try:
-        wait_for(lambda: _checkpointed_steps(job_dir), "a first checkpoint")
-        [job] = slurm_cluster.job_ids()  # the sweep's one job (not an array)
-        slurm_cluster.run("scontrol", "requeue", job)
-        _release_when_requeued(slurm_cluster, job, restarts=1)
-        wait_for(lambda: (r := _resumed_steps(job_dir)) and any(s > r[-1] for s in _checkpointed_steps(job_dir)),
-                 "a checkpoint after the first resume")
-        slurm_cluster.run("scancel", "--signal=USR2", job)
-        _release_when_requeued(slurm_cluster, job, restarts=2)
-        output, _ = proc.communicate(timeout=150)
+        with meanwhile(tmp_path / "whole.log", f"hydra.run.dir={tmp_path / 'whole'}", *LM, *steps):
+            wait_for(lambda: _checkpointed_steps(job_dir), "a first checkpoint")
+            [job] = slurm_cluster.job_ids()  # the sweep's one job (not an array)
+            slurm_cluster.run("scontrol", "requeue", job)
+            _release_when_requeued(slurm_cluster, job, restarts=1)
+            wait_for(lambda: (r := _resumed_steps(job_dir)) and any(s > r[-1] for s in _checkpointed_steps(job_dir)),
+                     "a checkpoint after the first resume")
+            slurm_cluster.run("scancel", "--signal=USR2", job)
+            _release_when_requeued(slurm_cluster, job, restarts=2)
+            output, _ = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, output[-3000:]
-    train(tmp_path / "whole", *steps)
 
     log = (job_dir / "train.log").read_text()
     assert len(_resumed_steps(job_dir)) == 2, log[-3000:]
