@@ -1,7 +1,8 @@
 """Sweeps and multi-process training on a real one-node SLURM cluster (tests/helpers/slurm.py starts
 it; skipped where slurm is not installed, failed instead under CI=true): srun ranks equal torchrun's,
 a sweep is one job array reviewed exactly as a local sweep, a preempted job resumes with the same
-losses, and a sweep the cluster cannot run is refused in one line before anything is submitted."""
+losses and one wandb run, the Optuna preset names its best trial, and a sweep the cluster cannot run
+is refused in one line before anything is submitted."""
 
 import contextlib
 import json
