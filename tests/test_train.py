@@ -87,10 +87,14 @@ def test_two_job_sweep_of_the_issue_leaves_two_directories(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_local_parallel_sweep_shares_the_cpus_between_its_jobs(tmp_path):
+def test_a_local_parallel_sweep_shares_the_cpus_between_its_jobs(tmp_path, capsys):
     """hydra/launcher=local_gpus hydra.launcher.n_jobs=2 on a CPU machine: two worker processes, each
-    job in its own directory with an equal share of the CPUs as its threads (trainer.threads=null)."""
+    job in its own directory with an equal share of the CPUs as its threads (trainer.threads=null);
+    `python -m experiments.review <sweep>` reads it, one row per job with its metrics."""
+    import json
     import os
+
+    from experiments.review.runs import main as review
 
     sweep = tmp_path / "sweep"
     tiny = [o for o in TINY if not o.startswith("trainer.threads")]
@@ -102,6 +106,16 @@ def test_a_local_parallel_sweep_shares_the_cpus_between_its_jobs(tmp_path):
     assert all(s["status"] == "completed" for s in summaries)
     assert len({s["pid"] for s in summaries}) == 2  # two workers, not one after the other in one process
     assert [s["threads"] for s in summaries] == [max(1, len(os.sched_getaffinity(0)) // 2)] * 2
+
+    assert review([str(sweep), "--format", "json", "--no-plots"]) == 0
+    [rows] = json.loads(capsys.readouterr().out)["groups"].values()  # one corpus
+    rows = sorted(rows, key=lambda r: r["path"])
+    assert [r["path"] for r in rows] == [str(sweep / f"model.depth={d}" / "seed=0") for d in (1, 2)]
+    for row, summary in zip(rows, summaries):
+        assert row["status"] == "completed" and row["step"] == 2
+        assert (row["final"], row["best"], row["params"]) == (summary["val_bpc"], summary["best_val_bpc"],
+                                                              summary["params"])
+        assert row["tokens_per_s"] > 0
 
 
 def _fails(run, *overrides):

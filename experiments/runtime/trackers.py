@@ -29,7 +29,14 @@ class NoTracker:
 
 
 class WandbTracker(NoTracker):
-    """One wandb run per job, in the run directory; offline by default (no prompt, no network)."""
+    """One wandb run per job, in the run directory; offline by default (no prompt, no network).
+
+    Its id is the run directory's, so every session of a resumed run (a requeued SLURM job) is one
+    wandb run. SLURM's SIGTERM reaches wandb's service process too, which then stops at once, with
+    what it had not written yet: the run goes on to its checkpoint without it. Offline, wandb cannot
+    append to an earlier session's files, so each session logs the rows of metrics.jsonl up to where
+    it resumes, then its own, and removes the earlier sessions' copies: the run directory holds one
+    offline run with every step once."""
 
     def __init__(self, project: str, mode, entity: Optional[str] = None, name: Optional[str] = None,
                  group: Optional[str] = None, tags: Optional[list] = None):
@@ -57,28 +64,59 @@ class WandbTracker(NoTracker):
             id=_run_id(run.dir),
             settings=wandb.Settings(console="off"),
         )
+        if self.mode == "offline":
+            self._replay(run)
+
+    def _replay(self, run) -> None:
+        """The rows of metrics.jsonl before this session (only those up to its checkpoint are left),
+        logged again; then the earlier sessions' offline runs of this id are removed."""
+        import json
+        import shutil
+        from pathlib import Path
+
+        from experiments.tasks.positions import scalars
+
+        if run.metrics_path.is_file():
+            for line in run.metrics_path.read_text().splitlines():
+                row = json.loads(line)
+                self.log(scalars(row), row["step"])
+        this = Path(self.wandb_run.dir).parent  # <run dir>/wandb/offline-run-<time>-<id>/files
+        for earlier in this.parent.glob(f"offline-run-*-{self.wandb_run.id}"):
+            if earlier != this:
+                shutil.rmtree(earlier, ignore_errors=True)
 
     def log(self, metrics: dict, step: int) -> None:
         if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
+            try:
+                self.wandb_run.log(metrics, step=step)
+            except Exception as e:  # its service stopped (SLURM's SIGTERM reaches it too)
+                self._lost(e)
 
     def log_text(self, key: str, text: str, step: int) -> None:
         if self.wandb_run is not None:
             import wandb
 
-            self.wandb_run.log({key: wandb.Html(f"<pre>{_escape(text)}</pre>")}, step=step)
+            self.log({key: wandb.Html(f"<pre>{_escape(text)}</pre>")}, step)
 
     def log_images(self, key: str, images, captions: list[str], step: int) -> None:
         if self.wandb_run is not None:
             import wandb
 
             arrays = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).astype("uint8")
-            self.wandb_run.log({key: [wandb.Image(a, caption=c) for a, c in zip(arrays, captions)]}, step=step)
+            self.log({key: [wandb.Image(a, caption=c) for a, c in zip(arrays, captions)]}, step)
 
     def finish(self, status: str) -> None:
         if self.wandb_run is not None:
-            self.wandb_run.finish(exit_code=0 if status == "completed" else 1)
+            try:
+                self.wandb_run.finish(exit_code=0 if status == "completed" else 1)
+            except Exception as e:
+                self._lost(e)
             self.wandb_run = None
+
+    def _lost(self, error: Exception) -> None:
+        log.warning("wandb stopped (%s: %s); metrics.jsonl has every row, and a resumed session logs "
+                    "them to wandb again", type(error).__name__, error)
+        self.wandb_run = None
 
 
 def _run_id(directory) -> str:

@@ -189,3 +189,27 @@ def start_long_train(run_dir: Path, logged_steps: int, *overrides: str) -> subpr
                                           and len(losses(run_dir)) >= logged_steps):
         time.sleep(0.05)
     return proc
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a wandb run file (`<run>/wandb/offline-run-*/run-<id>.wandb`), as wandb writes
+    them: a 7-byte header, then LevelDB's log format (32 KiB blocks; a 7-byte header per piece of a
+    record: checksum, length, kind) around each protobuf `Record`."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, header = Path(path).read_bytes(), 32768, 7
+    assert data[:4] == b":W&B", f"{path} is not a wandb run file"
+    pos, pending, records = header, b"", []
+    while pos + header <= len(data):
+        if block - pos % block < header:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending += data[pos + header:pos + header + length]
+        pos += header + length
+        if kind in (1, 4):  # a whole record, or a record's last piece
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records

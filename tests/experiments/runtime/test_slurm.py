@@ -1,8 +1,10 @@
 """Sweeps and multi-process training on a real one-node SLURM cluster (tests/helpers/slurm.py starts
 it; skipped where slurm is not installed, failed instead under CI=true): srun ranks equal torchrun's,
 a sweep is one job array reviewed exactly as a local sweep, a preempted job resumes with the same
-losses, and a sweep the cluster cannot run is refused in one line before anything is submitted."""
+losses and one wandb run, the Optuna preset names its best trial, and a sweep the cluster cannot run
+is refused in one line before anything is submitted."""
 
+import contextlib
 import json
 import os
 import re
@@ -15,7 +17,7 @@ import pytest
 
 from experiments.runtime import launch
 from tests.experiments.runtime.test_distributed import torchrun
-from tests.helpers.runs import ROOT, TINY, losses, read_metrics, read_summary, run_env, train
+from tests.helpers.runs import ROOT, TINY, losses, read_metrics, read_summary, run_env, wandb_records
 from tests.helpers.slurm import slurm_cluster  # noqa: F401  (the fixture)
 
 LM = [*TINY, "model=transformer"]
@@ -30,6 +32,24 @@ def sweep(cluster, sweep_dir: Path, *overrides: str, launcher: bool = True, time
            *(["hydra/launcher=slurm"] if launcher else []), *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**run_env(), **(cluster.env if cluster else {}), **(env or {})})
+
+
+@contextlib.contextmanager
+def meanwhile(log: Path, *args: str):
+    """`python train.py <args>`, the run a test compares a cluster's job with, run while the block
+    runs (the job's submission, scheduling and polling leave the CPUs idle much of the time); its
+    output in `log`. Waited for at the end."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env=run_env())
+    try:
+        yield proc
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-3000:]
 
 
 def array_jobs(sweep_dir: Path) -> list[str]:
@@ -174,10 +194,10 @@ def test_srun_two_tasks_train_one_run_as_torchrun_does(slurm_cluster, tmp_path):
 def test_a_sweep_job_of_two_tasks_trains_as_two_ranks(slurm_cluster, tmp_path):
     """hydra.launcher.tasks_per_node=2 backend=ddp: each job of the sweep is one run of two ranks
     (rank 1 logging to train.rank1.log), which trains as one process of twice the batch."""
-    result = sweep(slurm_cluster, tmp_path / "sweep", *LM, *STEPS, "backend=ddp", "trainer.batch_size=2",
-                   "trainer.seed=0", "hydra.launcher.tasks_per_node=2", ONE_CPU)
+    with meanwhile(tmp_path / "one.log", f"hydra.run.dir={tmp_path / 'one'}", *LM, *STEPS, "trainer.batch_size=4"):
+        result = sweep(slurm_cluster, tmp_path / "sweep", *LM, *STEPS, "backend=ddp", "trainer.batch_size=2",
+                       "trainer.seed=0", "hydra.launcher.tasks_per_node=2", ONE_CPU)
     assert result.returncode == 0, result.stderr[-3000:]
-    train(tmp_path / "one", *STEPS, "trainer.batch_size=4")
     job = tmp_path / "sweep" / "seed=0"
     assert "step 4" in (job / "train.rank1.log").read_text()
     assert (job / "train.log").read_text().count("parameters on cpu") == 1  # rank 0's lines only
@@ -256,11 +276,11 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
     a time limit (the run checkpoints at the end of its step, then submitit's handler requeues the
     job). Each time the job starts again in its own
     directory and resumes from its last checkpoint; it ends with the losses of an uninterrupted run,
-    every step once in metrics.jsonl, one summary."""
-    steps = [*LM, "trainer.max_steps=300", "trainer.checkpoint_every=20", "trainer.validate_every=0",
+    every step once in metrics.jsonl, one summary, and one wandb run (tracker=wandb, offline)."""
+    steps = ["trainer.max_steps=300", "trainer.checkpoint_every=20", "trainer.validate_every=0",
              "trainer.generate_every=0", "schedule=constant"]
     cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-           ONE_CPU, *steps, "trainer.seed=0"]
+           ONE_CPU, *(o for o in LM if o != "tracker=none"), "tracker=wandb", *steps, "trainer.seed=0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**run_env(), **slurm_cluster.env})
     job_dir = tmp_path / "sweep" / "seed=0"
@@ -272,21 +292,21 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
             time.sleep(0.05)
 
     try:
-        wait_for(lambda: _checkpointed_steps(job_dir), "a first checkpoint")
-        [job] = slurm_cluster.job_ids()  # the sweep's one job (not an array)
-        slurm_cluster.run("scontrol", "requeue", job)
-        _release_when_requeued(slurm_cluster, job, restarts=1)
-        wait_for(lambda: (r := _resumed_steps(job_dir)) and any(s > r[-1] for s in _checkpointed_steps(job_dir)),
-                 "a checkpoint after the first resume")
-        slurm_cluster.run("scancel", "--signal=USR2", job)
-        _release_when_requeued(slurm_cluster, job, restarts=2)
-        output, _ = proc.communicate(timeout=150)
+        with meanwhile(tmp_path / "whole.log", f"hydra.run.dir={tmp_path / 'whole'}", *LM, *steps):
+            wait_for(lambda: _checkpointed_steps(job_dir), "a first checkpoint")
+            [job] = slurm_cluster.job_ids()  # the sweep's one job (not an array)
+            slurm_cluster.run("scontrol", "requeue", job)
+            _release_when_requeued(slurm_cluster, job, restarts=1)
+            wait_for(lambda: (r := _resumed_steps(job_dir)) and any(s > r[-1] for s in _checkpointed_steps(job_dir)),
+                     "a checkpoint after the first resume")
+            slurm_cluster.run("scancel", "--signal=USR2", job)
+            _release_when_requeued(slurm_cluster, job, restarts=2)
+            output, _ = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, output[-3000:]
-    train(tmp_path / "whole", *steps[len(LM):])
 
     log = (job_dir / "train.log").read_text()
     assert len(_resumed_steps(job_dir)) == 2, log[-3000:]
@@ -303,3 +323,38 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
     assert summary["status"] == "completed" and summary["step"] == 300
     assert sorted(p.name for p in job_dir.glob("summary*")) == ["summary.json"]
     assert "Restarts=2" in slurm_cluster.run("scontrol", "show", "job", "-o", job).stdout
+
+    # One wandb run across the restarts (its id the job directory's): SLURM's SIGTERM stops wandb's
+    # service too, losing what it had not written, and offline wandb cannot append to a closed run
+    # file, so each session logs metrics.jsonl's rows up to its checkpoint again and removes the
+    # earlier sessions' runs. One offline run is left: every step once, ending the run.
+    [session] = (job_dir / "wandb").glob("offline-run-*")
+    run_id = session.name.rsplit("-", 1)[1]
+    records = wandb_records(session / f"run-{run_id}.wandb")
+    assert [r.run.run_id for r in records if r.HasField("run")] == [run_id]
+    assert [r.history.step.num for r in records if r.HasField("history")] == rows
+    assert [r.exit.exit_code for r in records if r.HasField("exit")] == [0]
+
+
+@pytest.mark.slow
+def test_the_optuna_preset_runs_its_trials_as_job_arrays_and_names_the_best(slurm_cluster, tmp_path):
+    """experiment=nsa_optuna hydra/launcher=slurm: each batch of n_jobs trials is one job array, every
+    trial lands in its own trial=<n>,<its values>/seed=0/, and the sweep ends naming the best trial,
+    the one of least val_bpc."""
+    import yaml
+
+    result = sweep(slurm_cluster, tmp_path / "sweep", "experiment=nsa_optuna", "hydra.sweeper.n_trials=4",
+                   "hydra.sweeper.n_jobs=2", *TINY, "model.kv_heads=1", "trainer.max_steps=2", ONE_CPU)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = {p.parent.parent.name: read_summary(p.parent) for p in (tmp_path / "sweep").rglob("summary.json")}
+    assert sorted(name.split(",")[0] for name in trials) == [f"trial={n}" for n in range(4)]
+    assert all(s["status"] == "completed" for s in trials.values())
+    # two arrays of two tasks, one after the other (the sampler reads the first batch's values)
+    assert sorted(j.split("_")[1] for j in array_jobs(tmp_path / "sweep")) == ["0", "0", "1", "1"]
+
+    best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
+    assert best["best_value"] == min(s["val_bpc"] for s in trials.values())
+    best_values = {f"{k}={v}" for k, v in best["best_params"].items()}
+    named = [name for name in trials if set(name.split(",")[1:]) == best_values]
+    assert named and all(trials[name]["val_bpc"] == best["best_value"] for name in named)
+    assert f"Best parameters: {best['best_params']}" in result.stdout + result.stderr
