@@ -1,9 +1,11 @@
-"""The layer and branch benchmark (experiments/bench/kernels.py, run as a command) runs its own
+"""The layer and branch benchmark (experiments/bench/kernels.py, through its main) runs its own
 code on a CPU (tiny setting; the Triton kernels in the interpreter): every row is measured, and
 the ratios are against the dense layer of the run; --count counts what each layer launches and
 estimates both layers' time on an H100. Its library (experiments/bench/) is tested directly: the
 work formulas, the roofline's arithmetic, and a counted step that is every step."""
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -12,9 +14,11 @@ import pytest
 import torch
 
 from experiments.bench.counts import count_layer
+from experiments.bench.kernels import main
 from experiments.bench.layers import PAPER_TOKENS, SETTINGS, DenseLayer, nsa_layer
 from experiments.bench.roofline import Device, Part, branch_work, dense_parts, estimate, nsa_parts
 from experiments.runtime.op_counts import count_ops
+from kernels.dispatch import triton_interpreting
 from tests.helpers.kernel_checks import TRITON_DEVICE
 from tests.helpers.runs import ROOT
 
@@ -22,8 +26,14 @@ TINY_CPU = ["--device", "cpu", "--setting", "tiny", "--lengths", "32", "--dtype"
 
 
 def command(args: list[str], interpret: bool = True) -> str:
-    """What `python -m experiments.bench.kernels args` prints, run as a user runs it, in a child
-    process (triton reads TRITON_INTERPRET when first imported)."""
+    """What `python -m experiments.bench.kernels args` prints: through its main(argv) in this process
+    where this process runs Triton as asked (triton reads TRITON_INTERPRET when first imported), else
+    in a child process, as a user runs it."""
+    if interpret == triton_interpreting():
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(args) == 0
+        return out.getvalue()
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
