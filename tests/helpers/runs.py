@@ -65,24 +65,24 @@ TINY_DVAE = ["experiment=dvae", *(o.replace("vae.", "model.") for o in TINY_DALL
 
 
 def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 300,
-          base: list[str] = TINY_LM, process: bool = False) -> subprocess.CompletedProcess:
+          base: list[str] = TINY_LM) -> subprocess.CompletedProcess:
     """Run `python train.py` in `run_dir`: the tiny dense model unless `base` says otherwise.
 
     In this process (train.py's own `__main__`, as a sweep runs its jobs one after another in one
     process), which saves a Python, torch and Hydra start (~4 s) a run; in a process of its own
-    where the process is what is tested (`process=True`: exit statuses, imports) or where a run
-    changes what a process keeps (the ddp and deepspeed backends' process groups, trainer.compile's
-    caches). `timeout` binds only a run in its own process."""
-    result = train_py(f"hydra.run.dir={run_dir}", *base, *overrides, process=process, timeout=timeout)
+    where a run changes what a process keeps (OWN_PROCESS: the ddp and deepspeed backends' process
+    groups, trainer.compile's caches). A test of the process itself (a signal, a resource limit, an
+    import) starts one: start_train, subprocess. `timeout` binds only a run in its own process."""
+    result = train_py(f"hydra.run.dir={run_dir}", *base, *overrides, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
 
 
-def train_py(*args: str, process: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python train.py args` (a run or a `-m` sweep): in this process unless `process` or an
-    override in OWN_PROCESS asks for one of its own (train() says why)."""
-    if process or any(a.startswith(OWN_PROCESS) for a in args):
+def train_py(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python train.py args` (a run or a `-m` sweep): in this process unless an override in
+    OWN_PROCESS asks for one of its own (train() says why)."""
+    if any(a.startswith(OWN_PROCESS) for a in args):
         return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout, env=run_env())
     return train_here(list(args))
