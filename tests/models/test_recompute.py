@@ -10,7 +10,6 @@ from torch.utils.checkpoint import checkpoint
 
 from models import recompute
 from models.recompute import RecomputedLayers, recomputed
-from models.reversible import _recomputation
 
 
 class Square(torch.autograd.Function):

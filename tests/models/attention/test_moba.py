@@ -3,7 +3,6 @@ kernel, caching, odd lengths and block sizes, bad knobs."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import span_attention
 from models.attention.moba import MixtureOfBlockAttention
