@@ -80,6 +80,8 @@ class WandbTracker(NoTracker):
             for line in run.metrics_path.read_text().splitlines():
                 row = json.loads(line)
                 self.log(scalars(row), row["step"])
+        if self.wandb_run is None:  # its service stopped while replaying: nothing of this session to keep
+            return
         this = Path(self.wandb_run.dir).parent  # <run dir>/wandb/offline-run-<time>-<id>/files
         for earlier in this.parent.glob(f"offline-run-*-{self.wandb_run.id}"):
             if earlier != this:
