@@ -9,8 +9,14 @@ the budget test's group of 16 that was 17,000 rescans in one forward, most of it
 helper's call inside a launch that patched the same language modules patches nothing; every other
 call (a launch, the first call of a helper whose module sees other modules, as Triton's `tl.max`
 sees `triton.language.core`) goes through Triton's own patching. What
-the kernels compute is unchanged (tests/kernels/test_triton_interpreter.py, bit for bit)."""
+the kernels compute is unchanged (tests/kernels/test_triton_interpreter.py, bit for bit).
 
+It also stops the interpreter computing int32 overflow checks it then drops: every int32 +, - and
+* is computed again in int64 and compared with the bounds, ~40% of an NSA kernel's time there, for
+a `device_assert` that does nothing unless the options say debug, which the interpreter's never
+do. Where they do (a Triton that sets them), the checks stay."""
+
+import dataclasses
 import inspect
 
 _ACTIVE: list[frozenset] = []  # the language modules the running launch patched (launches do not nest)
@@ -61,4 +67,14 @@ def quicken() -> bool:
 
     patch_once.quickened, patch_once.original = True, patch
     interpreter._patch_lang = patch_once
+    _skip_unasserted_overflow_checks(interpreter)
     return True
+
+
+def _skip_unasserted_overflow_checks(interpreter) -> None:
+    """Turn off the overflow checks where the interpreter's options would drop their asserts."""
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False) \
+            and getattr(options, "debug", True) is False:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)

@@ -1,5 +1,6 @@
 """kernels/triton_interpreter.py: Triton's interpreter patches its language once a launch, and the
-kernels compute there exactly what they compute with Triton's own patching on every helper call."""
+kernels compute there exactly what they compute with Triton's own patching on every helper call
+and its own int32 overflow checks (which it computes and then drops)."""
 
 import pytest
 import torch
@@ -36,6 +37,33 @@ def test_the_quickened_interpreter_computes_what_tritons_own_patching_does(monke
     # a launch patches once; a helper that sees other modules (Triton's tl.max) at most once a launch
     assert launches and len(full) <= 2 * len(launches), full
 
+    assert not interpreter.interpreter_builder.options.sanitize_overflow, "the overflow checks still run"
+
     monkeypatch.setattr(interpreter, "_patch_lang", tritons)  # Triton's own: a whole patch every helper call
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", interpreter.InterpreterOptions())  # and checks
     for name, want in fused_forward_and_backward().items():
         assert torch.equal(quickened[name], want), f"{name} differs"
+
+
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    """x [1] int32 doubled in a Triton kernel: int32 arithmetic that overflows for |x| >= 2**30."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def double_kernel(X):
+        tl.store(X, tl.load(X) * 2)
+
+    x = x.clone()
+    double_kernel[(1,)](x)
+    return x
+
+
+def test_the_interpreters_own_overflow_checks_assert_nothing(monkeypatch):
+    """Why skipping them changes nothing: with the options as Triton ships them, an int32 product
+    that overflows is checked, not asserted, and wraps as a compiled kernel's does."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", interpreter.InterpreterOptions())
+    assert interpreter.interpreter_builder.options.sanitize_overflow
+    assert doubled(torch.tensor([2**30 + 1], dtype=torch.int32)).item() == 2 - 2**31
