@@ -27,6 +27,13 @@ IGNORE = -100  # a target the training losses skip (cross_entropy's ignore_index
 AttentionFactory = Callable[[], nn.Module]
 
 
+
+def trains_part_alone(model: nn.Module) -> bool:
+    """Whether this training step trains a part of the model alone, the rest frozen: a module says
+    so through `freezes_model` (DSA's indexer warm-up). The distributed backends read it too."""
+    return any(getattr(m, "freezes_model", False) for m in model.modules())
+
+
 class FeedForward(nn.Module):
     """Linear -> GELU -> Linear, applied to `chunks` slices of the sequence one after another:
     the hidden activation [batch, seq / chunks, hidden] is what peaks, so chunking bounds the
@@ -137,7 +144,7 @@ class TransformerLM(nn.Module):
     def forward(self, tokens: Tensor, cache: Optional[list] = None, at: Optional[Tensor] = None) -> Tensor:
         # an attention that trains a part of its own alone this step (DSA's indexer warm-up) freezes the
         # rest: no gradient reaches any other parameter, and the backward costs only that part's
-        frozen = self.training and any(getattr(b.attn, "freezes_model", False) for b in self.blocks)
+        frozen = self.training and trains_part_alone(self)
         with torch.no_grad() if frozen else nullcontext():
             features = self.hidden(tokens, cache)
             return self.to_logits(features if at is None else features[at])

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from experiments.runtime import allocator, launch
 from experiments.runtime.throughput import peak_memory_mb, reset_peak_memory
 from experiments.runtime.errors import UserError
+from models.transformer import trains_part_alone
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,29 @@ class DDPBackend(LocalBackend):
 
     def accumulating(self, trainee: Trainee, last: bool):
         """Gradients are averaged over the ranks once per optimizer step, in the last micro-batch's
-        backward, not after every micro-batch."""
-        return contextlib.nullcontext() if last else trainee.forward.no_sync()
+        backward, not after every micro-batch. A step that trains a part of the model alone (DSA's
+        indexer warm-up: the rest runs without gradient) runs outside DDP's averaging, which expects
+        every parameter's gradient (and, finding unused ones from the output, would miss the part:
+        its loss is not in the output); `step` averages the gradients that part has."""
+        return contextlib.nullcontext() if last and not trains_part_alone(trainee.module) else trainee.forward.no_sync()
+
+    def step(self, trainees: list[Trainee], clip_grad_norm: Optional[float]) -> None:
+        for t in trainees:
+            if trains_part_alone(t.module):
+                self._average_gradients(t.module)
+        super().step(trainees, clip_grad_norm)
+
+    def _average_gradients(self, module: nn.Module) -> None:
+        """The mean over the ranks of every gradient the step produced, in one all-reduce (every rank
+        trains the same part, so the same parameters have gradients on each)."""
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(mean.view_as(g))
 
     def all_reduce_mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)

@@ -12,7 +12,7 @@ from experiments.runtime import checkpoint
 from experiments.runtime.errors import UserError
 from experiments.runtime.init_from import initialise
 from models.lm import dsa_lm, moba_lm, nsa_lm, transformer_lm
-from tests.helpers.runs import ROOT, TINY_LM, kill_after_first_checkpoint, read_metrics, read_summary, train
+from tests.helpers.runs import ROOT, TINY_LM, kill_after_first_checkpoint, losses, read_metrics, read_summary, train
 
 SIZE = dict(num_tokens=32, dim=32, depth=2, heads=4, dim_head=8)
 DENSE_CFG = {"_target_": "models.lm.transformer_lm", **SIZE}
@@ -208,14 +208,14 @@ def test_dsa_warms_up_its_indexer_alone_from_a_dense_run_and_everything_from_scr
     assert compose("model=dsa", "model.warmup_trains=all", "trainer.init_from=/d").model.warmup_trains.value == "all"
 
 
-@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
-def test_the_frozen_warm_up_is_refused_on_distributed_backends_in_one_line(compose, backend):
+def test_the_frozen_warm_up_is_refused_on_deepspeed_in_one_line(compose):
     from experiments.config.checks import check_config
 
     with pytest.raises(UserError, match=r"^model.warmup_trains=indexer \(the rest of the model frozen during DSA's "
-                                        r"warm-up\) runs on backend=local only for now"):
-        check_config(compose("model=dsa", f"backend={backend}", "trainer.init_from=/runs/dense"))
-    check_config(compose("model=dsa", f"backend={backend}", "trainer.init_from=/runs/dense", "model.warmup_trains=all"))
+                                        r"warm-up\) does not run on backend=deepspeed"):
+        check_config(compose("model=dsa", "backend=deepspeed", "trainer.init_from=/runs/dense"))
+    check_config(compose("model=dsa", "backend=deepspeed", "trainer.init_from=/runs/dense", "model.warmup_trains=all"))
+    check_config(compose("model=dsa", "backend=ddp", "trainer.init_from=/runs/dense"))
 
 
 # ---- distributed backends: the weights load before the backend wraps the model -----------------------
@@ -234,3 +234,32 @@ def test_two_ranks_start_from_the_dense_run(tmp_path, backend):
     summary = read_summary(sparse)
     assert summary["status"] == "completed" and summary["init_from"]["step"] == 2
     assert "blocks.*.attn.to_kv.weight" in summary["init_from"]["converted"]
+
+
+TINY_DSA = [o for o in TINY_LM if o != "model=transformer"] + [
+    "model=dsa", "model.kv_heads=2", "model.index_heads=2", "model.index_dim_head=8", "model.top_k=8",
+    "model.warmup_steps=2"]
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_warm_up_the_indexer_alone_as_one_process_of_twice_the_batch(tmp_path):
+    """DSA's frozen warm-up on ddp: two ranks of batch 2 give one process of batch 4's losses (the
+    indexer's gradients averaged outside DDP's reducer), and after the 2 warm-up steps every weight
+    but the indexer's is the dense run's to the bit."""
+    from tests.experiments.runtime.test_distributed import torchrun
+
+    dense, ddp, one = tmp_path / "dense", tmp_path / "ddp", tmp_path / "one"
+    train(dense, "trainer.max_steps=2")
+    common = [*TINY_DSA, "trainer.max_steps=3", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=2",
+              f"trainer.init_from={dense}"]
+    result = torchrun(ROOT, f"hydra.run.dir={ddp}", *common, "backend=ddp", "trainer.batch_size=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    train(one, *common, "trainer.batch_size=4", base=[])
+    assert losses(ddp) == pytest.approx(losses(one), rel=1e-5) and sorted(losses(ddp)) == [1, 2, 3]
+
+    source = torch.load(dense / "checkpoints" / "step_0000002.pt", weights_only=True)["model"]
+    warmed = torch.load(ddp / "checkpoints" / "step_0000002.pt", weights_only=True)["model"]
+    indexer = {n for n in warmed if ".attn.indexer." in n}
+    assert indexer and all(not torch.equal(warmed[n], torch.zeros_like(warmed[n])) for n in indexer)
+    frozen = [n for n in warmed if n not in indexer and n in source]
+    assert len(frozen) > 8 and [n for n in frozen if not torch.equal(warmed[n], source[n])] == []
