@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from tests.helpers.runs import ROOT, TINY, run_env, kill_after_first_checkpoint, losses, read_metrics, read_summary, train
+from tests.helpers.runs import (ROOT, TINY, TINY_LM, kill_after_first_checkpoint, losses, read_metrics, read_summary,
+                                run_env, train, train_py)
 
 pytestmark = pytest.mark.slow
 
@@ -28,51 +29,65 @@ def torchrun(cwd, *args, nproc=2, script="train.py", timeout=240, env=None) -> s
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**run_env(), **(env or {})})
 
 
-@pytest.mark.parametrize("device,stage", [*(("cpu", stage) for stage in (0, 1, 2)),
-                                          *(pytest.param("cuda", stage, marks=pytest.mark.gpu) for stage in range(4))])
-def test_deepspeed_zero_stages_give_the_local_losses(tmp_path, device, stage):
+@pytest.mark.parametrize("device,stages", [("cpu", (0, 1, 2)),
+                                           pytest.param("cuda", (0, 1, 2, 3), marks=pytest.mark.gpu)],
+                         ids=["cpu", "cuda"])
+def test_deepspeed_zero_stages_give_the_local_losses(tmp_path, device, stages):
     """fp32, same seed: the same losses to 1e-5 relative on the CPU (summation order differs), to 1e-4
-    on one GPU (CUDA's atomics too)."""
+    on one GPU (CUDA's atomics too). The stages run as a user compares them, one sweep in one
+    process; the last stage's checkpoint then loads into the local backend."""
     train(tmp_path / "local", *STEPS, f"trainer.device={device}")
-    train(tmp_path / "ds", *STEPS, f"trainer.device={device}", "backend=deepspeed", f"backend.zero_stage={stage}")
-    local, ds = losses(tmp_path / "local"), losses(tmp_path / "ds")
-    assert local.keys() == ds.keys() == {1, 2, 3, 4}
-    assert ds == pytest.approx(local, rel=1e-5 if device == "cpu" else 1e-4)
-    assert (tmp_path / "ds" / "checkpoints" / "step_0000004" / "model").is_dir()
-    summary = read_summary(tmp_path / "ds")
-    assert summary["status"] == "completed" and summary["device"].startswith(device)
-
-
-def test_deepspeed_checkpoint_loads_into_the_local_backend(tmp_path):
-    train(tmp_path / "ds", *STEPS, "backend=deepspeed", "backend.zero_stage=2")
-    train(tmp_path / "local", *STEPS, f"trainer.resume={tmp_path / 'ds'}")  # its weights, a new run
-    assert "initialised the model from" in (tmp_path / "local" / "train.log").read_text()
+    sweep = tmp_path / "sweep"
+    result = train_py("-m", f"hydra.sweep.dir={sweep}", *TINY_LM, *STEPS, f"trainer.device={device}",
+                      "backend=deepspeed", f"backend.zero_stage={','.join(map(str, stages))}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    local = losses(tmp_path / "local")
+    assert local.keys() == {1, 2, 3, 4}
+    for stage in stages:
+        ds = sweep / f"backend.zero_stage={stage}" / "seed=0"
+        assert losses(ds) == pytest.approx(local, rel=1e-5 if device == "cpu" else 1e-4), f"zero stage {stage}"
+        assert (ds / "checkpoints" / "step_0000004" / "model").is_dir()
+        summary = read_summary(ds)
+        assert summary["status"] == "completed" and summary["device"].startswith(device)
+    # its weights, a new run (the path quoted: it holds "=")
+    train(tmp_path / "from_ds", *STEPS, f"trainer.device={device}", f"trainer.resume='{ds}'")
+    assert "initialised the model from" in (tmp_path / "from_ds" / "train.log").read_text()
 
 
 @pytest.mark.parametrize("accum", [1, 2], ids=["no-accumulation", "accumulation2"])
 def test_two_ddp_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path, accum):
-    torchrun(tmp_path, *STEPS, "backend=ddp", "trainer.batch_size=2", f"trainer.grad_accum={accum}", "hydra.run.dir=ddp")
+    """Without accumulation the ranks also share the default run directory (no hydra.run.dir), as
+    the deepspeed ranks do below."""
+    place = [] if accum == 1 else ["hydra.run.dir=ddp"]
+    result = torchrun(tmp_path, *STEPS, "backend=ddp", "trainer.batch_size=2", f"trainer.grad_accum={accum}", *place)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ddp = the_one_default_run(tmp_path) if accum == 1 else tmp_path / "ddp"
     train(tmp_path / "one", *STEPS, "trainer.batch_size=4", f"trainer.grad_accum={accum}")
-    assert losses(tmp_path / "ddp") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
-    val = [r["val_loss"] for r in read_metrics(tmp_path / "ddp") if "val_loss" in r]
+    assert losses(ddp) == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    val = [r["val_loss"] for r in read_metrics(ddp) if "val_loss" in r]
     assert val == pytest.approx([r["val_loss"] for r in read_metrics(tmp_path / "one") if "val_loss" in r], rel=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
-def test_two_ranks_share_one_default_run_directory(tmp_path, backend):
-    """... and DeepSpeed on the CPU compiles no extension (its shared-memory all-reduce, which only
-    inference calls, took ~1.5 min of C++ on a run's first use)."""
-    extensions = tmp_path / "torch_extensions"
-    result = torchrun(tmp_path, *STEPS, f"backend={backend}", env={"TORCH_EXTENSIONS_DIR": str(extensions)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert not extensions.exists(), list(extensions.rglob("*"))
-    runs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+def the_one_default_run(cwd):
+    """The run directory every rank of a torchrun in cwd wrote to, with no hydra.run.dir: there is one."""
+    runs = [p for p in (cwd / "outputs").glob("*/*") if p.is_dir()]
     assert len(runs) == 1, runs
     run = runs[0]
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
     assert steps == [1, 2, 3, 4]
     assert (run / ".hydra" / "config.yaml").is_file() and (run / "train.rank1.log").is_file()
     assert read_summary(run)["status"] == "completed"
+    return run
+
+
+def test_two_deepspeed_ranks_share_one_default_run_directory(tmp_path):
+    """... and DeepSpeed on the CPU compiles no extension (its shared-memory all-reduce, which only
+    inference calls, took ~1.5 min of C++ on a run's first use)."""
+    extensions = tmp_path / "torch_extensions"
+    result = torchrun(tmp_path, *STEPS, "backend=deepspeed", env={"TORCH_EXTENSIONS_DIR": str(extensions)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not extensions.exists(), list(extensions.rglob("*"))
+    the_one_default_run(tmp_path)
 
 
 def test_the_deepspeed_launchers_local_rank_argument_is_accepted(tmp_path):

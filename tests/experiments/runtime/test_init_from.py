@@ -222,13 +222,13 @@ def test_the_frozen_warm_up_is_refused_on_deepspeed_in_one_line(compose):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
-def test_two_ranks_start_from_the_dense_run(tmp_path, backend):
+def test_two_deepspeed_ranks_start_from_the_dense_run(tmp_path):
+    """(Two ddp ranks: the DSA warm-up test below.)"""
     from tests.experiments.runtime.test_distributed import torchrun
 
     dense, sparse = tmp_path / "dense", tmp_path / "sparse"
     train(dense, "trainer.max_steps=2")
-    result = torchrun(ROOT, f"hydra.run.dir={sparse}", *TINY_NSA, f"backend={backend}", "trainer.max_steps=2",
+    result = torchrun(ROOT, f"hydra.run.dir={sparse}", *TINY_NSA, "backend=deepspeed", "trainer.max_steps=2",
                       f"trainer.init_from={dense}")
     assert result.returncode == 0, result.stderr[-2000:]
     summary = read_summary(sparse)
@@ -243,9 +243,10 @@ TINY_DSA = [o for o in TINY_LM if o != "model=transformer"] + [
 
 @pytest.mark.slow
 def test_two_ddp_ranks_warm_up_the_indexer_alone_as_one_process_of_twice_the_batch(tmp_path):
-    """DSA's frozen warm-up on ddp: two ranks of batch 2 give one process of batch 4's losses (the
-    indexer's gradients averaged outside DDP's reducer), and after the 2 warm-up steps every weight
-    but the indexer's is the dense run's to the bit."""
+    """Two ddp ranks start from the dense run, and DSA's frozen warm-up runs on them: two ranks of
+    batch 2 give one process of batch 4's losses (the indexer's gradients averaged outside DDP's
+    reducer), and after the 2 warm-up steps every weight but the indexer's is the dense run's to
+    the bit."""
     from tests.experiments.runtime.test_distributed import torchrun
 
     dense, ddp, one = tmp_path / "dense", tmp_path / "ddp", tmp_path / "one"
@@ -256,6 +257,9 @@ def test_two_ddp_ranks_warm_up_the_indexer_alone_as_one_process_of_twice_the_bat
     assert result.returncode == 0, result.stderr[-2000:]
     train(one, *common, "trainer.batch_size=4", base=[])
     assert losses(ddp) == pytest.approx(losses(one), rel=1e-5) and sorted(losses(ddp)) == [1, 2, 3]
+    summary = read_summary(ddp)
+    assert summary["status"] == "completed" and summary["init_from"]["step"] == 2
+    assert "blocks.*.attn.indexer.to_k.weight" in summary["init_from"]["new"], summary["init_from"]["new"]
 
     source = torch.load(dense / "checkpoints" / "step_0000002.pt", weights_only=True)["model"]
     warmed = torch.load(ddp / "checkpoints" / "step_0000002.pt", weights_only=True)["model"]
