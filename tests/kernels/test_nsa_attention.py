@@ -7,11 +7,10 @@ import torch
 
 from kernels.nsa_attention import naive, triton as kernels
 from kernels.nsa_attention.fused import nsa_forward
-from models.rotary import Rotary
+from tests.helpers.nsa_inputs import GRADIENTS, inputs
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-GRADIENTS = ("dq", "dkc", "dvc", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgates")
 
 CASES = [  # (seq, heads, kv_heads, dim_head, block, stride, fine, selected, window, dtype)
     (37, 4, 2, 16, 8, 4, 8, 4, 8, torch.float32),  # group 2; a length off every block
@@ -22,17 +21,6 @@ CASES = [  # (seq, heads, kv_heads, dim_head, block, stride, fine, selected, win
     (26, 4, 2, 32, 8, 4, 8, 4, 6, torch.bfloat16),
     (45, 4, 2, 16, 16, 8, 8, 4, 8, torch.float32),  # compressed blocks longer than fine ones: read by two steps
 ]
-
-
-def inputs(seq, heads, kv_heads, dim_head, block, stride, fine, selected, window, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    blocks = max(0, (seq - block) // stride + 1)
-    shapes = [(1, seq, heads, dim_head), (1, kv_heads, blocks, dim_head), (1, kv_heads, blocks, dim_head),
-              *[(1, seq, kv_heads, dim_head)] * 4, (1, seq, 3, heads)]
-    tensors = [torch.randn(*shape, generator=gen).to(dtype) for shape in shapes]
-    forced = min(3, selected)
-    knobs = kernels.Knobs(block, stride, fine, forced, max(0, min(selected - forced, -(-seq // fine))), window)
-    return tensors, Rotary(dim_head).phases(seq, "cpu"), knobs
 
 
 def definition(tensors, phases, knobs, start=0):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.dispatch import triton_interpreting
-from tests.kernels.test_nsa_attention import GRADIENTS, inputs
+from tests.helpers.nsa_inputs import GRADIENTS, inputs
 
 pytestmark = [pytest.mark.triton,
               pytest.mark.skipif(not triton_interpreting(), reason="the kernels compile on this machine: no interpreter")]
