@@ -218,8 +218,8 @@ def _compressed_backward(q: Tensor, kc: Tensor, vc: Tensor, out: Tensor, lse: Te
     """-> dq, dkc, dvc in the dtypes of q, kc, vc."""
     g, m, d = q.shape[-3:]
     bh, blocks = kc.shape[0], kc.shape[1]
-    if blocks == 0:
-        return torch.zeros_like(q), torch.zeros_like(kc), torch.zeros_like(vc)
+    if blocks == 0:  # contiguous, as below (zeros_like would keep a strided query view's strides)
+        return q.new_zeros(q.shape), kc.new_zeros(kc.shape), vc.new_zeros(vc.shape)
     threads = max(1, min(torch.get_num_threads(), 256))
     q32 = rows_as_they_lie(q.float())
     kc32, vc32 = kc.float().contiguous(), vc.float().contiguous()
@@ -240,7 +240,8 @@ def _compressed_backward(q: Tensor, kc: Tensor, vc: Tensor, out: Tensor, lse: Te
 
 @_compressed_backward.register_fake
 def _(q, kc, vc, out, lse, dout, block, stride):
-    return torch.empty_like(q), torch.empty_like(kc), torch.empty_like(vc)
+    # contiguous, as the kernel returns them: empty_like would keep a strided query view's strides
+    return q.new_empty(q.shape), kc.new_empty(kc.shape), vc.new_empty(vc.shape)
 
 
 _compressed_selection.register_autograd(_selection_backward, setup_context=_selection_setup_context)

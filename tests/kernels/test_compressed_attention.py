@@ -252,7 +252,7 @@ def test_cpu_selection_with_the_attention_output_keeps_bf16_inputs_bf16():
 @pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
 @pytest.mark.parametrize("m", [29, 3])
 def test_the_custom_operator_passes_opcheck(m):
-    """sparse_attention::compressed_selection under torch.library.opcheck: the schema (no input
+    """sparse_attention::compressed_selection and its backward under torch.library.opcheck: the schema (no input
     written, no output aliasing an input), the fake implementation against the kernel, the
     autograd registration and AOTAutograd tracing with dynamic shapes, for a strided query view of
     a projection and for no complete block."""
@@ -263,3 +263,8 @@ def test_the_custom_operator_passes_opcheck(m):
     q = projection.unflatten(-1, (h, g, d)).permute(0, 2, 3, 1, 4).requires_grad_()  # [b, h, g, m, d], strided
     kc, vc = (torch.randn(b * h, blocks, d, generator=gen, requires_grad=True) for _ in range(2))
     torch.library.opcheck(torch.ops.sparse_attention.compressed_selection.default, (q, kc, vc, block, stride, 4, 3, 2))
+    # and its backward, whose fake must give the strides the kernel gives (contiguous), not the view's
+    out, lse, _, _ = torch.ops.sparse_attention.compressed_selection.default(q, kc, vc, block, stride, 4, 3, 2)
+    dout = torch.randn(out.shape, generator=gen)
+    torch.library.opcheck(torch.ops.sparse_attention.compressed_selection_backward.default,
+                          tuple(t.detach() for t in (q, kc, vc, out, lse, dout)) + (block, stride))
