@@ -27,7 +27,6 @@ IGNORE = -100  # a target the training losses skip (cross_entropy's ignore_index
 AttentionFactory = Callable[[], nn.Module]
 
 
-
 def trains_part_alone(model: nn.Module) -> bool:
     """Whether this training step trains a part of the model alone, the rest frozen: a module says
     so through `freezes_model` (DSA's indexer warm-up). The distributed backends read it too."""
