@@ -33,6 +33,13 @@ def trains_part_alone(model: nn.Module) -> bool:
     return any(getattr(m, "freezes_model", False) for m in model.modules())
 
 
+def parameters_trained_alone(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that such steps train (a module's `part_trained_alone`: DSA's indexer where its
+    warm-up freezes the rest); empty where no step trains a part alone."""
+    parts = [getattr(m, "part_trained_alone", None) for m in model.modules()]
+    return [p for part in parts if part is not None for p in part.parameters()]
+
+
 class FeedForward(nn.Module):
     """Linear -> GELU -> Linear, applied to `chunks` slices of the sequence one after another:
     the hidden activation [batch, seq / chunks, hidden] is what peaks, so chunking bounds the

@@ -142,25 +142,8 @@ def check_config(cfg: DictConfig) -> None:
     """Every problem of the composed config at once, as one line; nothing is built before it passes."""
     problems = _unknown_keys(cfg) + _missing(cfg)
     problems += _out_of_range(cfg) if not problems else []
-    problems += _frozen_warm_up(cfg) if not problems else []
     if problems:
         raise UserError("; ".join(problems))
-
-
-def _frozen_warm_up(cfg: DictConfig) -> list[str]:
-    """DSA's indexer warm-up runs the rest of the model without gradient. DeepSpeed gives every
-    parameter without a gradient a zero one, which its optimizer's weight decay would still move, so
-    the warm-up is refused there (ddp averages the indexer's gradients alone: backends.DDPBackend)."""
-    model, backend = cfg.get("model"), cfg.get("backend")
-    if not isinstance(model, DictConfig) or not str(model.get("_target_", "")).endswith(".dsa_lm"):
-        return []
-    trains = getattr(model.get("warmup_trains"), "value", model.get("warmup_trains"))
-    deepspeed = str((backend or {}).get("_target_", "")).endswith(".DeepSpeedBackend")
-    if trains == "indexer" and model.get("warmup_steps", 0) > 0 and deepspeed:
-        return ["model.warmup_trains=indexer (the rest of the model frozen during DSA's warm-up) does not run on "
-                "backend=deepspeed, which would move the frozen weights by weight decay: use backend=ddp or local, "
-                "or model.warmup_trains=all"]
-    return []
 
 
 def _close_key(section: str, key: str) -> Optional[str]:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from experiments.runtime import allocator, launch
 from experiments.runtime.throughput import peak_memory_mb, reset_peak_memory
 from experiments.runtime.errors import UserError
-from models.transformer import trains_part_alone
+from models.transformer import parameters_trained_alone, trains_part_alone
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,11 @@ class DeepSpeedBackend(DDPBackend):
         if self.device.type == "cpu":
             skip_shared_memory_all_reduce(deepspeed)
         model = model.to(self.device)
-        optimizer = make_optimizer(model.parameters())
+        params = list(model.parameters())
+        if alone := {id(p) for p in parameters_trained_alone(model)}:  # the rest: a group held still meanwhile
+            params = [{"params": [p for p in params if id(p) in alone]},
+                      {"params": [p for p in params if id(p) not in alone], _HELD: True}]
+        optimizer = make_optimizer(params)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                dist_init_required=False)
         return Trainee(prefix, engine.module, engine, optimizer)
@@ -276,7 +280,8 @@ class DeepSpeedBackend(DDPBackend):
         """The task has divided the loss by the accumulation steps already; the engine's step
         after every micro-batch counts them and steps the optimizer at the boundary."""
         trainee.forward.backward(loss, scale_wrt_gas=False)
-        trainee.forward.step()
+        with _held_still(trainee.optimizer) if trains_part_alone(trainee.module) else contextlib.nullcontext():
+            trainee.forward.step()
 
     def step(self, trainees: list[Trainee], clip_grad_norm: Optional[float]) -> None:
         pass  # the engines stepped, clipped and zeroed at the accumulation boundary
@@ -317,6 +322,30 @@ class DeepSpeedBackend(DDPBackend):
                             "by backend=deepspeed. Resume it with the backend that wrote it")
         for t in trainees:
             t.forward.load_checkpoint(str(engine_dir), tag=t.prefix or "model", load_lr_scheduler_states=False)
+
+
+_HELD = "held_while_a_part_trains_alone"  # marks the optimizer group of the parameters such a step freezes
+
+
+@contextlib.contextmanager
+def _held_still(optimizer: torch.optim.Optimizer):
+    """A DeepSpeed step that trains a part of the model alone (DSA's indexer warm-up) leaves the rest
+    unchanged to the bit. DeepSpeed gives every parameter without a gradient a zero one and steps it,
+    so the rest's group takes the step at learning rate 0 (weight decay moves nothing), and the state
+    the step gave it is dropped (its moments and step count start with its first real step, as on
+    the local backend, whose optimizer skips parameters without a gradient). Under ZeRO the group's
+    parameter is its flat partition, and the state is keyed by that."""
+    groups = [g for g in optimizer.param_groups if g.get(_HELD)]
+    rates = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, rates):
+            g["lr"] = lr
+            for p in g["params"]:
+                optimizer.state.pop(p, None)
 
 
 def compile_mode(value) -> Optional[str]:

@@ -129,6 +129,11 @@ class DeepSeekSparseAttention(nn.Module):
         the backbone then runs the model without gradient, and this layer its indexer with it."""
         return self.training and self.warming_up and self.warmup_trains == "indexer"
 
+    @property
+    def part_trained_alone(self) -> Optional[nn.Module]:
+        """What the steps that freeze the model train: the indexer, where the warm-up freezes it."""
+        return self.indexer if self.warmup_trains == "indexer" and self.warmup_steps > 0 else None
+
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
         self.steps += 1

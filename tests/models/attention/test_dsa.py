@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from kernels.lightning_index.naive import index_scores, index_topk
 from models.attention.dsa import DeepSeekSparseAttention
 from models.lm import dsa_lm
+from models.transformer import parameters_trained_alone
 from tests.helpers.attention_checks import (assert_cached_decoding_equals_parallel, assert_causal_by_gradient,
                                             assert_causal_by_perturbation, assert_truncated_cache_forgets)
 from tests.helpers.kernel_checks import device_for
@@ -267,6 +268,9 @@ def test_indexer_warm_up_trains_the_indexer_alone_and_leaves_the_rest_unchanged_
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     indexer = {n for n in before if ".attn.indexer." in n}
     assert indexer and len(indexer) < len(before)
+    # what DeepSpeed's optimizer keeps out of the held-still group: exactly the parameters that learn
+    named = dict(model.named_parameters())
+    assert {id(p) for p in parameters_trained_alone(model)} == {id(named[n]) for n in indexer}
     assert train_steps(model, 3) == [indexer] * 3
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]) != (name in indexer), name
@@ -281,6 +285,7 @@ def test_after_the_indexer_warm_up_everything_trains():
 
 def test_warm_up_of_everything_trains_every_parameter():
     model = tiny_dsa("warm-up", warmup_trains="all").train()
+    assert parameters_trained_alone(model) == []
     assert train_steps(model, 1) == [{n for n, _ in model.named_parameters()}]
 
 
