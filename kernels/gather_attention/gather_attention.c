@@ -24,6 +24,7 @@
 #include "native.h"
 
 #define HEADS 4 /* heads of a group that share one pass over the keys: 4 x 2 dot products in flight */
+#define AHEAD 8 /* keys ahead whose rows are prefetched: gathered rows are random, mostly out of L2 */
 
 typedef struct {
     const float *q, *k, *v, *dout, *dlse;
@@ -70,6 +71,19 @@ INLINE int64_t row_keys(const Problem *p, int64_t r, int64_t i, Scratch *s) {
     return count;
 }
 
+/* A table of rows a later pass over the keys reads or writes (rows NULL: none), fetched ahead */
+typedef struct {
+    const float *rows;
+    int64_t stride;
+} Table;
+
+/* Asks for row keys[c + AHEAD] of `table` (d floats) to be brought into cache. */
+INLINE void prefetch_ahead(Table table, const int64_t *keys, int64_t c, int64_t count, int64_t d) {
+    if (!table.rows || c + AHEAD >= count) return;
+    const float *row = table.rows + keys[c + AHEAD] * table.stride;
+    for (int64_t e = 0; e < d; e += 64 / sizeof(float)) __builtin_prefetch(row + e, 0, 3);
+}
+
 INLINE float sum_lanes(vec x) {
     float total = 0.0f;
     for (int l = 0; l < VEC; l++) total += x[l];
@@ -77,12 +91,19 @@ INLINE float sum_lanes(vec x) {
 }
 
 /* dots[h][c] = scale * (x[h] . row keys[c]) for nh heads (a constant after inlining); each row is
- * loaded once for every head, two partial sums a head so that the multiply-adds overlap. */
+ * loaded once for every head, two partial sums a head so that the multiply-adds overlap. The rows
+ * are fetched AHEAD keys ahead, with those of the tables `later` (two, or NULL) that the next passes
+ * take: this pass does enough work a key to hide the latency, a plain pass over rows does not. */
 INLINE void key_dots(float *dots, int64_t stride, const float *const *x, const int nh, const float *rows,
-                     int64_t row_stride, const int64_t *keys, int64_t count, const int64_t d, float scale) {
+                     int64_t row_stride, const int64_t *keys, int64_t count, const int64_t d, float scale,
+                     const Table *later) {
+    const Table own = {rows, row_stride}, none = {NULL, 0}, first = later ? later[0] : none,
+                second = later ? later[1] : none;
     if (d % (2 * VEC)) { /* any other width: plain loops */
         for (int64_t c = 0; c < count; c++) {
             const float *row = rows + keys[c] * row_stride;
+            prefetch_ahead(own, keys, c, count, d), prefetch_ahead(first, keys, c, count, d);
+            prefetch_ahead(second, keys, c, count, d);
             for (int h = 0; h < nh; h++) {
                 float total = 0.0f;
 #pragma omp simd reduction(+ : total)
@@ -94,6 +115,8 @@ INLINE void key_dots(float *dots, int64_t stride, const float *const *x, const i
     }
     for (int64_t c = 0; c < count; c++) {
         const float *row = rows + keys[c] * row_stride;
+        prefetch_ahead(own, keys, c, count, d), prefetch_ahead(first, keys, c, count, d);
+        prefetch_ahead(second, keys, c, count, d);
         vec acc[HEADS][2];
         for (int h = 0; h < nh; h++) acc[h][0] = acc[h][1] = (vec){0};
         for (int64_t e = 0; e < d; e += 2 * VEC) {
@@ -162,7 +185,8 @@ INLINE void forward_heads(const Problem *p, int64_t b, int64_t i, int64_t h0, co
         q[h] = p->q + b * p->q_b + i * p->q_m + (h0 + h) * p->q_g;
         out[h] = p->out + (r * p->g + h0 + h) * d;
     }
-    key_dots(s->scores, stride, q, nh, p->k + b * p->k_b, p->k_n, s->keys, count, d, p->scale);
+    const Table values[2] = {{p->v + b * p->v_b, p->v_n}, {NULL, 0}};
+    key_dots(s->scores, stride, q, nh, p->k + b * p->k_b, p->k_n, s->keys, count, d, p->scale, values);
     for (int h = 0; h < nh; h++) {
         float total, *probs = s->scores + h * stride;
         p->lse[r * p->g + h0 + h] = exp_less_max(probs, count, &total);
@@ -184,8 +208,9 @@ INLINE void backward_heads(const Problem *p, int64_t b, int64_t i, int64_t h0, c
         dout[h] = p->dout + b * p->o_b + i * p->o_m + (h0 + h) * p->o_g;
         dq[h] = p->dq + (r * p->g + h0 + h) * d;
     }
-    key_dots(probs, stride, q, nh, p->k + b * p->k_b, p->k_n, s->keys, count, d, p->scale);
-    key_dots(dprobs, stride, dout, nh, p->v + b * p->v_b, p->v_n, s->keys, count, d, 1.0f); /* dP = dO . v */
+    const Table values[2] = {{p->v + b * p->v_b, p->v_n}, {NULL, 0}}, grads[2] = {{dk, d}, {dv, d}};
+    key_dots(probs, stride, q, nh, p->k + b * p->k_b, p->k_n, s->keys, count, d, p->scale, values);
+    key_dots(dprobs, stride, dout, nh, p->v + b * p->v_b, p->v_n, s->keys, count, d, 1.0f, grads); /* dP = dO . v */
     for (int h = 0; h < nh; h++) {
         /* dS = P * (dP - sum(P * dP) + dlse) */
         const float lse = p->lse[r * p->g + h0 + h];
