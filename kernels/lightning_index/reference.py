@@ -2,6 +2,8 @@
 each chunk scores the keys up to its last query and keeps its top-k, so no [seq, seq] tensor
 exists, only [chunk, seq] scores (the chunk sized to a fixed number of elements)."""
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -18,7 +20,10 @@ def ranking_keys(scores: Tensor) -> Tensor:
     bits = scores.float().view(torch.int32)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
     ordered = ordered.masked_fill_(ordered == -1, 0)  # -0.0 ranks as +0.0
-    return (ordered.long() << 32) | torch.arange(scores.shape[-1], device=scores.device)
+    positions = torch.arange(scores.shape[-1], dtype=torch.int32, device=scores.device).expand_as(ordered)
+    if sys.byteorder == "little":  # the two int32 halves written side by side: one pass, not three of int64
+        return torch.stack((positions, ordered), dim=-1).view(torch.int64).squeeze(-1)
+    return (ordered.long() << 32) | positions
 
 
 def top_keys(keys: Tensor, positions: Tensor, top_k: int) -> Tensor:
