@@ -17,7 +17,6 @@ from typing import Optional
 from torch import Tensor
 
 from kernels import dispatch
-from kernels.gather_attention.reference import gathered_probabilities
 
 __all__ = ["cpu_built", "gather_attention", "gathered_probabilities", "triton_problem"]
 
@@ -67,3 +66,23 @@ def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: in
     from kernels.gather_attention.reference import gather_attention as chunked
 
     return chunked(q, k, v, indices, start)
+
+
+def gathered_probabilities(q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, start: int,
+                           kernel: str = "torch") -> Tensor:
+    """The attention probabilities of each query's gathered keys, summed over the heads of its
+    group, recomputed from the log-sum-exp that gather_attention returned: q [bh, m, g, d],
+    k [bh, n, d], indices [bh, m, top_k], lse [bh, m, g] -> [bh, m, top_k], at least fp32 (0 in
+    unused slots, and in a slot that repeats an earlier slot's key: the key's probability goes to
+    its first slot). No gradient: DSA's indexer learns to match them.
+
+    kernel: as gather_attention's: the C kernel where it takes the tensors, reference.py elsewhere
+    (under "triton" too: a small part of DSA's step on a GPU).
+    """
+    if dispatch.choose(q, kernel, None, cpu_built, "gather attention") == "cpu":
+        from kernels.gather_attention import cpu
+
+        return cpu.gathered_probabilities(q, k, indices, lse, start)
+    from kernels.gather_attention.reference import gathered_probabilities as chunked
+
+    return chunked(q, k, indices, lse, start)

@@ -1,7 +1,8 @@
 """Gather attention on the CPU kernel (gather_attention.c): one pass per query row, the heads of its
 GQA group sharing each gathered key, the backward recomputing the probabilities from the saved
-log-sum-exp. Registered as the custom operators `sparse_attention::gather_attention` and
-`sparse_attention::gather_attention_backward`, so torch.compile traces through them.
+log-sum-exp. Registered as the custom operators `sparse_attention::gather_attention`,
+`sparse_attention::gather_attention_backward` and `sparse_attention::gathered_probabilities`
+(DSA's target for its indexer), so torch.compile traces through them.
 
 The kernel resolves each query's slots itself (unused slots, keys after the query, a key named
 again), so the caller passes the indices as they come. Computed in fp32 for fp32, bf16 and fp16
@@ -20,7 +21,8 @@ from kernels.native import load, pointer, rows_as_they_lie
 from kernels.selected_attention.reference import distinct_slots
 
 _SOURCE = Path(__file__).with_name("gather_attention.c")
-_SIGNATURES = (("gather_attention_forward", 6, 14), ("gather_attention_backward", 10, 18))
+_SIGNATURES = (("gather_attention_forward", 6, 14), ("gather_attention_backward", 10, 18),
+               ("gather_attention_probabilities", 5, 12))
 
 
 @dispatch.constant_result  # torch.compile reads the answer, never the compiler's files
@@ -103,6 +105,31 @@ def _backward(ctx, dout, dlse):
 
 
 _gather_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gathered_probabilities(q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, start: int) -> Tensor:
+    """Shapes and meaning as kernels.gather_attention.gathered_probabilities -> [bh, m, top_k] fp32."""
+    with torch.no_grad():
+        return _gathered_probabilities(q, k, indices.to(torch.int64).contiguous(), lse, start)
+
+
+@torch.library.custom_op("sparse_attention::gathered_probabilities", mutates_args=())
+def _gathered_probabilities(q_in: Tensor, k_in: Tensor, indices: Tensor, lse: Tensor, start: int) -> Tensor:
+    q, k = (rows_as_they_lie(t.float()) for t in (q_in, k_in))
+    lse = lse.float().contiguous()  # held here: a pointer does not keep its tensor alive
+    bh, m, g, d = q.shape
+    probs = q.new_empty(indices.shape)
+    status = _library().gather_attention_probabilities(
+        pointer(q), pointer(k), pointer(indices), pointer(lse), pointer(probs), bh, m, g, d, k.shape[1],
+        indices.shape[-1], start, *q.stride()[:3], *k.stride()[:2], ctypes.c_float(d**-0.5), torch.get_num_threads())
+    if status:
+        raise MemoryError("gather attention: a thread could not allocate its scratch")
+    return probs
+
+
+@_gathered_probabilities.register_fake
+def _(q_in, k_in, indices, lse, start):
+    return q_in.new_empty(indices.shape, dtype=torch.float32)
 
 
 def _pairs(indices: Tensor, start: int, n: int) -> int:

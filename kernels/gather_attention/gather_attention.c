@@ -10,7 +10,8 @@
  * Rows are split into contiguous ranges over threads. Where each thread's rows are whole batch * kv
  * heads (shared_grads), the threads' key and value gradients never meet and go straight into one
  * buffer; otherwise each thread adds them into a buffer of its own, which the caller sums. Each
- * thread zeroes what it will add into.
+ * thread zeroes what it will add into. gather_attention_probabilities recomputes each slot's
+ * probability, summed over the group's heads, for DSA's indexer to learn from.
  *
  * Layouts (fp32; the last dimension contiguous, the others strided as given):
  *   q, dout     [bh, m, g, d]   row (b, i, h) at b q_b + i q_m + h q_g (dout: o_b, o_m, o_g)
@@ -37,19 +38,21 @@ typedef struct {
 } Problem;
 
 /* What one thread keeps: the stamp of the last row that listed each key position (n), the row's
- * keys (S), and the scores (probabilities) of up to HEADS heads and their gradients. */
+ * keys and the slot that named each first (S), and the scores (probabilities) of up to HEADS heads
+ * and their gradients. */
 typedef struct {
-    int64_t *seen, *keys;
+    int64_t *seen, *keys, *slots;
     float *scores, *grads;
 } Scratch;
 
 static int scratch_new(Scratch *s, const Problem *p) {
     s->seen = malloc((size_t)(p->n ? p->n : 1) * sizeof(int64_t));
-    s->keys = malloc((size_t)(p->S + 1) * sizeof(int64_t));
+    s->keys = malloc((size_t)2 * (p->S + 1) * sizeof(int64_t));
     s->scores = malloc((size_t)2 * HEADS * (p->S + 1) * sizeof(float));
     if (!s->seen || !s->keys || !s->scores) return 1;
     for (int64_t j = 0; j < p->n; j++) s->seen[j] = -1;
     s->grads = s->scores + HEADS * (p->S + 1);
+    s->slots = s->keys + p->S + 1;
     return 0;
 }
 
@@ -57,8 +60,8 @@ static void scratch_free(Scratch *s) {
     free(s->seen), free(s->keys), free(s->scores);
 }
 
-/* The distinct keys that row r (query i of batch * kv head b) may see, in slot order, into keys;
- * returns how many. */
+/* The distinct keys that row r (query i of batch * kv head b) may see, in slot order, into keys
+ * (the slot that names each first into slots); returns how many. */
 INLINE int64_t row_keys(const Problem *p, int64_t r, int64_t i, Scratch *s) {
     const int64_t *slots = p->indices + r * p->S, last = p->start + i < p->n - 1 ? p->start + i : p->n - 1;
     int64_t count = 0;
@@ -66,6 +69,7 @@ INLINE int64_t row_keys(const Problem *p, int64_t r, int64_t i, Scratch *s) {
         const int64_t j = slots[c];
         if (j < 0 || j > last || s->seen[j] == r) continue;
         s->seen[j] = r;
+        s->slots[count] = c;
         s->keys[count++] = j;
     }
     return count;
@@ -306,6 +310,51 @@ static void *backward_work(void *arg) {
     }
     scratch_free(&s);
     return NULL;
+}
+
+/* Heads h0 .. h0 + nh - 1 of row r: their probabilities of its keys, added into probs[0..S). */
+INLINE void probability_heads(const Problem *p, int64_t b, int64_t i, int64_t h0, const int nh, int64_t count,
+                              float *probs, Scratch *s, const int64_t d) {
+    const int64_t r = b * p->m + i, stride = p->S + 1;
+    const float *q[HEADS];
+    for (int h = 0; h < nh; h++) q[h] = p->q + b * p->q_b + i * p->q_m + (h0 + h) * p->q_g;
+    key_dots(s->scores, stride, q, nh, p->k + b * p->k_b, p->k_n, s->keys, count, d, p->scale, NULL);
+    for (int h = 0; h < nh; h++) {
+        const float lse = p->lse[r * p->g + h0 + h], *scores = s->scores + h * stride;
+        for (int64_t c = 0; c < count; c++) probs[s->slots[c]] += exp_nonpositive(scores[c] - lse);
+    }
+}
+
+static void *probabilities_work(void *arg) {
+    Work *work = arg;
+    const Problem *p = work->problem;
+    Scratch s;
+    if (scratch_new(&s, p)) { work->failed = 1; scratch_free(&s); return NULL; }
+    for (int64_t r = work->first; r < work->last; r += work->step) {
+        const int64_t b = r / p->m, i = r % p->m, count = row_keys(p, r, i, &s);
+        float *probs = p->out + r * p->S;
+        memset(probs, 0, p->S * sizeof(float));
+#define PROBABILITIES_64(nh) probability_heads(p, b, i, h, nh, count, probs, &s, 64)
+#define PROBABILITIES_D(nh) probability_heads(p, b, i, h, nh, count, probs, &s, p->d)
+        if (count == 0) continue;
+        if (p->d == 64) EACH_HEAD_BLOCK(PROBABILITIES_64)
+        else EACH_HEAD_BLOCK(PROBABILITIES_D)
+    }
+    scratch_free(&s);
+    return NULL;
+}
+
+/* probs [bh, m, S] (contiguous): each slot's attention probability summed over the group's heads,
+ * from the log-sum-exps of gather_attention_forward; 0 in a slot that names no visible key or one
+ * an earlier slot names. */
+int gather_attention_probabilities(const float *q, const float *k, const int64_t *indices, const float *lse,
+                                   float *probs, int64_t bh, int64_t m, int64_t g, int64_t d, int64_t n, int64_t S,
+                                   int64_t start, int64_t q_b, int64_t q_m, int64_t q_g, int64_t k_b, int64_t k_n,
+                                   float scale, int threads) {
+    Problem p = {.q = q, .k = k, .indices = indices, .lse = (float *)lse, .out = probs, .bh = bh, .m = m, .g = g,
+                 .d = d, .n = n, .S = S, .start = start, .q_b = q_b, .q_m = q_m, .q_g = q_g, .k_b = k_b, .k_n = k_n,
+                 .scale = scale};
+    return run_rows(&p, bh * m, threads, 0, probabilities_work);
 }
 
 int gather_attention_forward(const float *q, const float *k, const float *v, const int64_t *indices, float *out,

@@ -209,7 +209,7 @@ class DeepSeekSparseAttention(nn.Module):
         the indexer's over them, a chunk of queries at a time, each recomputed in the backward."""
         b, h, g, n, _ = q.shape
         target = gathered_probabilities(rearrange(q.detach(), "b h g n d -> (b h) n g d"), k.detach().flatten(0, 1),
-                                        indices, lse.detach(), 0)
+                                        indices, lse.detach(), 0, self.kernel)
         target = target.view(b, h, n, -1).sum(1) / (h * g)  # [b, n, top_k]
         step = max(1, _KL_CHUNK // chosen.shape[-1])
         total = sum(recomputed(self._sparse_kl_chunk, index_q[:, c0 : c0 + step], index_k, index_w[:, c0 : c0 + step],

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import dispatch
-from kernels.gather_attention import cpu_built, gather_attention
+from kernels.gather_attention import cpu_built, gather_attention, gathered_probabilities
 from kernels.gather_attention.naive import gather_attention as naive
 from tests.helpers.chosen_keys import random_indices, repeat_some_slots
 from tests.helpers.kernel_checks import assert_all_close, values_and_grads
@@ -150,3 +150,22 @@ def test_kernel_cpu_and_auto_run_the_c_kernel_and_torch_does_not(monkeypatch):
     gather_attention(q, k, v, indices, 0, "auto")  # float64: the C kernel would round it to fp32
     assert not calls
     assert dispatch.choose(q.float(), "cpu", None, cpu_built) == "cpu"
+
+
+@pytest.mark.parametrize("g,d,start", [(1, 12, 0), (4, 64, 0), (6, 16, 9)], ids=["G1-D12", "G4-D64", "G6-D16-start9"])
+def test_gathered_probabilities_match_the_reference(g, d, start):
+    """Each slot's probability summed over the group, from the kernel's log-sum-exp: the reference's,
+    with repeated slots (the first gets the key), unused and future slots and an empty query (0)."""
+    from kernels.gather_attention.reference import gathered_probabilities as reference
+
+    q, k, v, gen = inputs(2, 20, 20 + start, g, d)
+    indices, _, _ = repeat_some_slots(random_indices(2, 20, start, 7, gen), torch.ones(2, 20, 7, dtype=torch.bool), gen)
+    indices[0, 2, 3] = start + 10  # after its query
+    indices[1, 4] = -1
+    q, k = q.float(), k.float()
+    _, lse = gather_attention(q, k, v.float(), indices, start, "cpu")
+    probs = gathered_probabilities(q, k, indices, lse, start, "cpu")
+    assert probs.dtype == torch.float32 and (probs[1, 4] == 0).all() and probs[0, 2, 3] == 0
+    torch.testing.assert_close(probs, reference(q, k, indices, lse, start), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(probs[0].sum(-1), torch.full((20,), float(g)), rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.sparse_attention.gathered_probabilities.default, (q, k, indices, lse, start))
