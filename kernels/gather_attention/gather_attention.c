@@ -218,7 +218,8 @@ INLINE void backward_heads(const Problem *p, int64_t b, int64_t i, int64_t h0, c
     for (int h = 0; h < nh; h++) {
         /* dS = P * (dP - sum(P * dP) + dlse) */
         const float lse = p->lse[r * p->g + h0 + h];
-        float *ph = probs + h * stride, *dph = dprobs + h * stride, total = p->dlse ? -p->dlse[r * p->g + h0 + h] : 0.0f;
+        float *ph = probs + h * stride, *dph = dprobs + h * stride;
+        float total = p->dlse ? -p->dlse[r * p->g + h0 + h] : 0.0f;
 #pragma omp simd reduction(+ : total)
         for (int64_t c = 0; c < count; c++) {
             ph[c] = exp_nonpositive(ph[c] - lse);

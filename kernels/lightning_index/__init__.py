@@ -2,9 +2,11 @@
 query, I(t, s) = sum_j w(t, j) * ReLU(q(t, j) . k(s)) over a few indexer heads j with one key per
 token, and the top-k keys by it, in one pass over chunks of queries (no [seq, seq] tensor).
 
-    naive.py      every score at once, then a stable sort: the definition
-    reference.py  chunked PyTorch scoring and torch.topk (the CPU path)
-    triton.py     a Triton scoring kernel per chunk, then torch.topk (the CUDA path)
+    naive.py           every score at once, then a stable sort: the definition
+    reference.py       chunked PyTorch scoring and torch.topk (the CPU path); the chosen keys' scores
+    gathered_scores.c  the chosen keys' scores and their gradients on the CPU (DSA's sparse KL),
+    cpu.py             as the custom operator sparse_attention::gathered_index_scores
+    triton.py          a Triton scoring kernel per chunk, then torch.topk (the CUDA path)
 """
 
 from typing import Optional
@@ -13,6 +15,16 @@ from torch import Tensor
 
 from kernels import dispatch
 from kernels.lightning_index.reference import index_topk as _chunked
+
+__all__ = ["cpu_built", "gathered_scores", "index_topk", "triton_problem"]
+
+
+@dispatch.constant_result  # torch.compile reads the answer, never the compiler's files
+def cpu_built() -> bool:
+    """Whether the CPU kernel of gathered_scores is built, or can be built, here (a C compiler)."""
+    from kernels.lightning_index import cpu
+
+    return cpu.available()
 
 
 def triton_problem(index_dim_head: int) -> Optional[str]:
@@ -39,3 +51,24 @@ def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int, kernel: 
 
         return scored(q, k, w, start, top_k)
     return _chunked(q, k, w, start, top_k)
+
+
+def gathered_scores(q: Tensor, k: Tensor, w: Tensor, indices: Tensor, kernel: str = "torch") -> Tensor:
+    """The indexer's score of each query's chosen keys, with gradient (DSA's sparse KL):
+
+    q        [batch, c, index_heads, index_dim_head]  indexer queries
+    k        [batch, seq_k, index_dim_head]           indexer keys
+    w        [batch, c, index_heads]                  each head's weight per query
+    indices  [batch, c, slots]                        chosen key positions (int64); -1: unused
+    returns  I(t, indices[t, s]) [batch, c, slots], at least fp32, 0 in unused slots
+
+    kernel: model.kernel: "cpu" or "auto" take the C kernel (gathered_scores.c) on CPU tensors
+    where it builds; elsewhere the chosen keys are gathered and scored in torch (reference.py).
+    """
+    if dispatch.choose(q, kernel, None, cpu_built, "the lightning indexer") == "cpu":
+        from kernels.lightning_index import cpu
+
+        return cpu.gathered_scores(q, k, w, indices)
+    from kernels.lightning_index.reference import gathered_scores as reference
+
+    return reference(q, k, w, indices)

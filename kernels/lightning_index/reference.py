@@ -48,3 +48,11 @@ def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int) -> Tenso
         scores = scores.masked_fill(torch.arange(visible, device=q.device) > positions[:, None], float("-inf"))
         out[:, c0:c1] = top_keys(ranking_keys(scores), positions, top_k)
     return out
+
+
+def gathered_scores(q: Tensor, k: Tensor, w: Tensor, indices: Tensor) -> Tensor:
+    """Shapes and meaning as kernels.lightning_index.gathered_scores: the chosen keys gathered, then
+    scored (with gradient)."""
+    keys = k[torch.arange(k.shape[0], device=k.device)[:, None, None], indices.clamp(min=0)]  # [b, c, slots, d]
+    products = at_least_fp32(torch.einsum("bcjd,bckd->bcjk", q, keys)).relu()
+    return (at_least_fp32(w)[..., None] * products).sum(2).masked_fill(indices < 0, 0.0)

@@ -90,3 +90,35 @@ def test_chunks_do_not_change_the_choice(monkeypatch):
     whole = index_topk(q, k, w, 3, 6)
     monkeypatch.setattr(reference, "_CHUNK", 53 * 2)  # one query a chunk
     assert torch.equal(index_topk(q, k, w, 3, 6), whole)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
+@pytest.mark.parametrize("heads,d", [(2, 32), (3, 12)], ids=["H2-D32", "H3-D12"])
+def test_gathered_scores_are_the_definitions_at_the_chosen_keys(kernel, heads, d):
+    """The chosen keys' scores (0 in unused slots) and the gradients of q, k and w, on both paths
+    (the C kernel in fp32 against the float64 definition), with its custom operators under opcheck."""
+    from kernels.lightning_index import cpu_built, gathered_scores
+    from tests.helpers.chosen_keys import random_indices
+
+    if kernel == "cpu" and not cpu_built():
+        pytest.skip("no C compiler to build the indexer's kernel")
+    gen = torch.Generator().manual_seed(6)
+    b, m = 2, 27
+    q, k, w = (torch.randn(*shape, dtype=torch.float64, generator=gen) for shape in ((b, m, heads, d), (b, m, d),
+                                                                                      (b, m, heads)))
+    chosen = random_indices(b, m, 0, 8, gen)
+    wide = [t.clone().requires_grad_() for t in (q, k, w)]
+    expected = index_scores(*wide, 0).gather(-1, chosen.clamp(min=0)).masked_fill(chosen < 0, 0.0)
+    leaves = [t.float().requires_grad_() for t in (q, k, w)] if kernel == "cpu" else wide
+    scores = gathered_scores(*leaves, chosen, kernel)
+    tol = 2e-5 if kernel == "cpu" else 1e-10
+    torch.testing.assert_close(scores.double(), expected, rtol=tol, atol=tol)
+    cotangent = torch.randn(scores.shape, dtype=torch.float64, generator=gen)
+    for got, want in zip(torch.autograd.grad((scores.double() * cotangent).sum(), leaves),
+                         torch.autograd.grad((expected * cotangent).sum(), wide)):
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    if kernel == "cpu":
+        args = tuple(t.detach().requires_grad_() for t in leaves)
+        torch.library.opcheck(torch.ops.sparse_attention.gathered_index_scores.default, (*args, chosen))
+        torch.library.opcheck(torch.ops.sparse_attention.gathered_index_scores_backward.default,
+                              (*(t.detach() for t in args), chosen, cotangent.float()))
