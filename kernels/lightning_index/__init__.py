@@ -3,9 +3,10 @@ query, I(t, s) = sum_j w(t, j) * ReLU(q(t, j) . k(s)) over a few indexer heads j
 token, and the top-k keys by it, in one pass over chunks of queries (no [seq, seq] tensor).
 
     naive.py           every score at once, then a stable sort: the definition
-    reference.py       chunked PyTorch scoring and torch.topk (the CPU path); the chosen keys' scores
-    gathered_scores.c  the chosen keys' scores and their gradients on the CPU (DSA's sparse KL),
-    cpu.py             as the custom operator sparse_attention::gathered_index_scores
+    reference.py       chunked PyTorch scoring and torch.topk; the chosen keys' scores (plain PyTorch)
+    lightning_index.c  the CPU kernel: a chunk's scores and top-k in one pass after PyTorch's matrix
+                       product; the chosen keys' scores and their gradients (DSA's sparse KL)
+    cpu.py             its custom operators
     triton.py          a Triton scoring kernel per chunk, then torch.topk (the CUDA path)
 """
 
@@ -21,7 +22,7 @@ __all__ = ["cpu_built", "gathered_scores", "index_topk", "triton_problem"]
 
 @dispatch.constant_result  # torch.compile reads the answer, never the compiler's files
 def cpu_built() -> bool:
-    """Whether the CPU kernel of gathered_scores is built, or can be built, here (a C compiler)."""
+    """Whether the CPU kernel is built, or can be built, here (a C compiler)."""
     from kernels.lightning_index import cpu
 
     return cpu.available()
@@ -44,12 +45,19 @@ def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int, kernel: 
     order on every path, so decoding keeps what the parallel pass keeps). No gradient.
 
     kernel: model.kernel, picked by kernels/dispatch.py's rule: "torch" (reference.py), "triton"
-    (triton.py), or "auto" (Triton on CUDA where index_dim_head suits it, the reference elsewhere).
+    (triton.py), "cpu" (lightning_index.c after PyTorch's matrix products), or "auto" (Triton on
+    CUDA where index_dim_head suits it, the C kernel on CPU tensors where it builds, the reference
+    elsewhere).
     """
-    if dispatch.choose(q, kernel, triton_problem(q.shape[-1]), what="the lightning indexer") == "triton":
+    runs = dispatch.choose(q, kernel, triton_problem(q.shape[-1]), cpu_built, "the lightning indexer")
+    if runs == "triton":
         from kernels.lightning_index.triton import index_topk as scored
 
         return scored(q, k, w, start, top_k)
+    if runs == "cpu":
+        from kernels.lightning_index import cpu
+
+        return cpu.index_topk(q, k, w, start, top_k)
     return _chunked(q, k, w, start, top_k)
 
 

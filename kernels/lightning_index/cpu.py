@@ -1,7 +1,12 @@
-"""The indexer's scores of each query's chosen keys on the CPU kernel (gathered_scores.c), with
-their gradients: DSA's sparse KL scores the top-k keys it chose without a gathered copy of them.
-Registered as the custom operators `sparse_attention::gathered_index_scores` and its backward, so
-torch.compile traces through them. Computed in fp32 whatever the inputs' dtype."""
+"""The lightning indexer on the CPU kernel (lightning_index.c):
+
+- index_topk: each chunk's products q . k by a PyTorch matrix product, then its scores and top-k
+  keys in one C pass (`sparse_attention::index_topk_rows`), the same keys as reference.py's,
+  ties included;
+- gathered_scores: the scores of each query's chosen keys, with their gradients (DSA's sparse KL),
+  without a gathered copy of the keys (`sparse_attention::gathered_index_scores` and its backward).
+
+Custom operators, so torch.compile traces through them; computed in fp32 whatever the inputs' dtype."""
 
 import ctypes
 from pathlib import Path
@@ -10,17 +15,53 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import dispatch
+from kernels import at_least_fp32, dispatch
+from kernels.lightning_index import reference
 from kernels.native import load, pointer
 
-_SOURCE = Path(__file__).with_name("gathered_scores.c")
-_SIGNATURES = (("gathered_scores_forward", 5, 6), ("gathered_scores_backward", 8, 6))
+_SOURCE = Path(__file__).with_name("lightning_index.c")
+_SIGNATURES = (("gathered_scores_forward", 5, 6), ("gathered_scores_backward", 8, 6), ("index_topk_rows", 3, 6))
 
 
 @dispatch.constant_result  # torch.compile reads the answer, never the compiler's files
 def available() -> bool:
     """Whether the CPU kernel is built (or can be built) here."""
     return _library() is not None
+
+
+def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int) -> Tensor:
+    """Shapes and meaning as kernels.lightning_index.index_topk."""
+    if not available():
+        raise RuntimeError("the indexer's CPU kernel could not be built here (no working C compiler)")
+    b, m, heads, d = q.shape
+    out = torch.empty(b, m, top_k, dtype=torch.long)
+    w = at_least_fp32(w)
+    step = max(1, reference._CHUNK // (k.shape[1] * heads))  # the reference's chunks
+    for c0 in range(0, m, step):
+        c1 = min(m, c0 + step)
+        visible = start + c1  # keys up to the chunk's last query
+        products = at_least_fp32(torch.bmm(q[:, c0:c1].reshape(b, -1, d), k[:, :visible].transpose(1, 2)))
+        out[:, c0:c1] = _index_topk_rows(products.view(b, c1 - c0, heads, visible), w[:, c0:c1], start + c0, top_k)
+    return out
+
+
+@torch.library.custom_op("sparse_attention::index_topk_rows", mutates_args=())
+def _index_topk_rows(products: Tensor, w: Tensor, first: int, top_k: int) -> Tensor:
+    """products [b, c, heads, visible], w [b, c, heads] of queries at positions first.. -> their
+    top_k keys [b, c, top_k], -1 past a query's keys."""
+    products, w = _fp32(products, w)
+    b, c, heads, visible = products.shape
+    out = torch.empty(b, c, top_k, dtype=torch.long)
+    status = _library().index_topk_rows(pointer(products), pointer(w), pointer(out), b, c, heads, visible, first,
+                                        top_k, ctypes.c_float(0), torch.get_num_threads())
+    if status:
+        raise MemoryError("lightning indexer: a thread could not allocate its scores")
+    return out
+
+
+@_index_topk_rows.register_fake
+def _(products, w, first, top_k):
+    return products.new_empty(*products.shape[:2], top_k, dtype=torch.long)
 
 
 def gathered_scores(q: Tensor, k: Tensor, w: Tensor, indices: Tensor) -> Tensor:

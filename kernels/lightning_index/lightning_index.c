@@ -1,7 +1,12 @@
-/* The lightning indexer's scores of each query's chosen keys, on the CPU, with their gradients:
- * I(r, s) = sum_j w(r, j) * ReLU(q(r, j) . k(indices(r, s))), for DSA's sparse KL. Each chosen key
- * row is read where it lies (no gathered copy) once for all indexer heads of its query. The
- * backward adds each key's gradient into a buffer of the thread's own, which the caller sums.
+/* The lightning indexer on the CPU, I(r, s) = sum_j w(r, j) * ReLU(q(r, j) . k(s)) over indexer
+ * heads j:
+ * - index_topk_rows: from a chunk's products q . k (a matrix product, left to PyTorch), each
+ *   query's scores and its top-k keys in one pass, ranked as reference.ranking_keys ranks them
+ *   (score, then the later key), with a heap of top_k ranking keys per row;
+ * - gathered_scores_*: the scores of each query's chosen keys, with their gradients, for DSA's
+ *   sparse KL. Each chosen key row is read where it lies (no gathered copy) once for all indexer
+ *   heads of its query. The backward adds each key's gradient into a buffer of the thread's own,
+ *   which the caller sums.
  *
  * Layouts (fp32, contiguous):
  *   q, dq          [b, c, H, d]   queries of rows r = (batch, query) and indexer heads j
@@ -9,6 +14,8 @@
  *   k              [b, n, d]      dk [threads, b, n, d]
  *   indices        [b, c, S]      int64; outside [0, n): an unused slot (score 0, no gradient)
  *   scores, dscores [b, c, S]
+ *   products       [b, c, H, visible]  a chunk's products, queries at positions first..
+ *   out            [b, c, top_k]       int64 key positions, best first; -1 past a query's keys
  */
 
 #include "native.h"
@@ -117,4 +124,78 @@ int gathered_scores_backward(const float *q, const float *k, const float *w, con
     Problem p = {.q = q, .k = k, .w = w, .indices = indices, .dscores = dscores, .dq = dq, .dk = dk, .dw = dw,
                  .b = b, .c = c, .H = H, .d = d, .n = n, .S = S};
     return run_rows(&p, b * c, threads, 0, backward_work);
+}
+
+/* The ranking key of key j with score x: reference.ranking_keys' (x's fp32 bits as an ordered
+ * integer, -0.0 as +0.0, times 2^32, plus j), so that the order, ties included, is the same. */
+INLINE int64_t ranking_key(float x, int64_t j) {
+    union { float f; int32_t i; } bits = {.f = x};
+    int32_t ordered = bits.i ^ ((bits.i >> 31) & 0x7FFFFFFF);
+    if (ordered == -1) ordered = 0;
+    return (int64_t)((uint64_t)(int64_t)ordered << 32 | (uint64_t)j);
+}
+
+/* heap[0..size) a min-heap: restores it below slot i */
+static void sift_down(int64_t *heap, int64_t size, int64_t i) {
+    for (;;) {
+        int64_t least = i, left = 2 * i + 1, right = left + 1;
+        if (left < size && heap[left] < heap[least]) least = left;
+        if (right < size && heap[right] < heap[least]) least = right;
+        if (least == i) return;
+        const int64_t t = heap[i];
+        heap[i] = heap[least], heap[least] = t;
+        i = least;
+    }
+}
+
+typedef struct {
+    const float *products, *w;
+    int64_t *out;
+    int64_t c, H, visible, first, top_k;
+} Chunk;
+
+/* fp-contract off: a fused multiply-add would round the scores differently from the reference's
+ * product then sum, and reorder near-ties */
+__attribute__((optimize("fp-contract=off"))) static void *topk_work(void *arg) {
+    Work *work = arg;
+    const Chunk *p = work->problem;
+    float *scores = malloc((size_t)(p->visible ? p->visible : 1) * sizeof(float));
+    int64_t *heap = malloc((size_t)(p->top_k ? p->top_k : 1) * sizeof(int64_t));
+    if (!scores || !heap) { work->failed = 1; free(scores), free(heap); return NULL; }
+    for (int64_t r = work->first; r < work->last; r += work->step) {
+        const int64_t position = p->first + r % p->c, keys = position + 1 < p->visible ? position + 1 : p->visible;
+        const float *products = p->products + r * p->H * p->visible, *w = p->w + r * p->H;
+        /* the heads summed in order, as the reference's sum over them */
+#pragma omp simd
+        for (int64_t j = 0; j < keys; j++) scores[j] = w[0] * (products[j] > 0.0f ? products[j] : 0.0f);
+        for (int64_t h = 1; h < p->H; h++) {
+            const float *row = products + h * p->visible;
+#pragma omp simd
+            for (int64_t j = 0; j < keys; j++) scores[j] += w[h] * (row[j] > 0.0f ? row[j] : 0.0f);
+        }
+        const int64_t size = keys < p->top_k ? keys : p->top_k;
+        for (int64_t j = 0; j < size; j++) heap[j] = ranking_key(scores[j], j);
+        for (int64_t i = size / 2 - 1; i >= 0; i--) sift_down(heap, size, i);
+        for (int64_t j = size; j < keys; j++) {
+            const int64_t key = ranking_key(scores[j], j);
+            if (key > heap[0]) heap[0] = key, sift_down(heap, size, 0);
+        }
+        int64_t *out = p->out + r * p->top_k;
+        for (int64_t s = size - 1; s >= 0; s--) { /* the least first off the heap: written from the end */
+            out[s] = heap[0] & 0xFFFFFFFF;
+            heap[0] = heap[s];
+            sift_down(heap, s, 0);
+        }
+        for (int64_t s = size; s < p->top_k; s++) out[s] = -1;
+    }
+    free(scores), free(heap);
+    return NULL;
+}
+
+int index_topk_rows(const float *products, const float *w, int64_t *out, int64_t b, int64_t c, int64_t H,
+                    int64_t visible, int64_t first, int64_t top_k, float unused, int threads) {
+    (void)unused;
+    Chunk p = {.products = products, .w = w, .out = out, .c = c, .H = H, .visible = visible, .first = first,
+               .top_k = top_k};
+    return run_rows(&p, b * c, threads, 0, topk_work);
 }
