@@ -176,9 +176,15 @@ __attribute__((optimize("fp-contract=off"))) static void *topk_work(void *arg) {
         const int64_t size = keys < p->top_k ? keys : p->top_k;
         for (int64_t j = 0; j < size; j++) heap[j] = ranking_key(scores[j], j);
         for (int64_t i = size / 2 - 1; i >= 0; i--) sift_down(heap, size, i);
+        /* a score below the least kept one loses whatever its position: most keys stop there */
+        float floor = size ? scores[heap[0] & 0xFFFFFFFF] : 0.0f;
         for (int64_t j = size; j < keys; j++) {
+            if (scores[j] < floor) continue;
             const int64_t key = ranking_key(scores[j], j);
-            if (key > heap[0]) heap[0] = key, sift_down(heap, size, 0);
+            if (key > heap[0]) {
+                heap[0] = key, sift_down(heap, size, 0);
+                floor = scores[heap[0] & 0xFFFFFFFF];
+            }
         }
         int64_t *out = p->out + r * p->top_k;
         for (int64_t s = size - 1; s >= 0; s--) { /* the least first off the heap: written from the end */
