@@ -18,7 +18,7 @@ CASES = [  # (batch, seq_q, start, heads, dim, top_k)
     (1, 1, 0, 2, 16, 4),
 ]
 IDS = [f"B{c[0]}-Q{c[1]}-start{c[2]}-H{c[3]}-D{c[4]}-top{c[5]}" for c in CASES]
-CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu_built(), reason="no C compiler to build the indexer's kernel"))
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu_built(), reason="no C compiler for the indexer's kernel"))
 
 
 def inputs(b, m, start, heads, d, seed=0, dtype=torch.float32):
