@@ -178,7 +178,7 @@ __attribute__((optimize("fp-contract=off"))) static void *topk_work(void *arg) {
         for (int64_t i = size / 2 - 1; i >= 0; i--) sift_down(heap, size, i);
         /* a score below the least kept one loses whatever its position: most keys stop there */
         float floor = size ? scores[heap[0] & 0xFFFFFFFF] : 0.0f;
-        for (int64_t j = size; j < keys; j++) {
+        for (int64_t j = size; size && j < keys; j++) {
             if (scores[j] < floor) continue;
             const int64_t key = ranking_key(scores[j], j);
             if (key > heap[0]) {
