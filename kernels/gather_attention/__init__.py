@@ -2,9 +2,14 @@
 it one by one (DeepSeek Sparse Attention's top-k tokens), where NSA's selected attention takes
 whole blocks.
 
-    naive.py      dense attention masked to the chosen keys: the definition the others must match
-    reference.py  gathers the chosen keys chunk by chunk, recomputing backward (the CPU path)
-    triton.py     group-centric Triton kernels (the CUDA path)
+    naive.py            dense attention masked to the chosen keys: the definition the others must match
+    reference.py        gathers the chosen keys chunk by chunk, recomputing backward (plain PyTorch)
+    gather_attention.c  the CPU kernel: one pass per query, its group's heads sharing each gathered key
+    cpu.py              its custom operators (sparse_attention::gather_attention and its backward)
+    triton.py           group-centric Triton kernels (the CUDA path)
+
+The C kernel is compiled for this CPU on first use (kernels/native.py); where no compiler works,
+`cpu_built()` is False and the CPU runs the reference.
 """
 
 from typing import Optional
@@ -12,9 +17,16 @@ from typing import Optional
 from torch import Tensor
 
 from kernels import dispatch
-from kernels.gather_attention.reference import gathered_probabilities
 
-__all__ = ["gather_attention", "gathered_probabilities", "triton_problem"]
+__all__ = ["cpu_built", "gather_attention", "gathered_probabilities", "triton_problem"]
+
+
+@dispatch.constant_result  # torch.compile reads the answer, never the compiler's files
+def cpu_built() -> bool:
+    """Whether the CPU kernel is built, or can be built, here (a C compiler)."""
+    from kernels.gather_attention import cpu
+
+    return cpu.available()
 
 
 def triton_problem(group: int, dim_head: int) -> Optional[str]:
@@ -39,12 +51,38 @@ def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: in
     visible key gets zeros and a log-sum-exp of -inf (never NaN).
 
     kernel: model.kernel, picked by kernels/dispatch.py's rule: "torch" (reference.py), "triton"
-    (triton.py), or "auto" (Triton on CUDA where the shapes suit it, the reference elsewhere).
+    (triton.py), "cpu" (gather_attention.c), or "auto" (Triton on CUDA where the shapes suit it, the
+    C kernel on CPU tensors of fp32, bf16 or fp16 where it builds, the reference elsewhere).
     """
-    if dispatch.choose(q, kernel, triton_problem(q.shape[2], q.shape[3]), what="gather attention") == "triton":
+    runs = dispatch.choose(q, kernel, triton_problem(q.shape[2], q.shape[3]), cpu_built, "gather attention")
+    if runs == "triton":
         from kernels.gather_attention.triton import TritonGatherAttention
 
         return TritonGatherAttention.apply(q, k, v, indices, start)
+    if runs == "cpu":
+        from kernels.gather_attention import cpu
+
+        return cpu.gather_attention(q, k, v, indices, start)
     from kernels.gather_attention.reference import gather_attention as chunked
 
     return chunked(q, k, v, indices, start)
+
+
+def gathered_probabilities(q: Tensor, k: Tensor, indices: Tensor, lse: Tensor, start: int,
+                           kernel: str = "torch") -> Tensor:
+    """The attention probabilities of each query's gathered keys, summed over the heads of its
+    group, recomputed from the log-sum-exp that gather_attention returned: q [bh, m, g, d],
+    k [bh, n, d], indices [bh, m, top_k], lse [bh, m, g] -> [bh, m, top_k], at least fp32 (0 in
+    unused slots, and in a slot that repeats an earlier slot's key: the key's probability goes to
+    its first slot). No gradient: DSA's indexer learns to match them.
+
+    kernel: as gather_attention's: the C kernel where it takes the tensors, reference.py elsewhere
+    (under "triton" too: a small part of DSA's step on a GPU).
+    """
+    if dispatch.choose(q, kernel, None, cpu_built, "gather attention") == "cpu":
+        from kernels.gather_attention import cpu
+
+        return cpu.gathered_probabilities(q, k, indices, lse, start)
+    from kernels.gather_attention.reference import gathered_probabilities as chunked
+
+    return chunked(q, k, indices, lse, start)

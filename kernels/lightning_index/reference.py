@@ -2,6 +2,8 @@
 each chunk scores the keys up to its last query and keeps its top-k, so no [seq, seq] tensor
 exists, only [chunk, seq] scores (the chunk sized to a fixed number of elements)."""
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -18,7 +20,10 @@ def ranking_keys(scores: Tensor) -> Tensor:
     bits = scores.float().view(torch.int32)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
     ordered = ordered.masked_fill_(ordered == -1, 0)  # -0.0 ranks as +0.0
-    return (ordered.long() << 32) | torch.arange(scores.shape[-1], device=scores.device)
+    positions = torch.arange(scores.shape[-1], dtype=torch.int32, device=scores.device).expand_as(ordered)
+    if sys.byteorder == "little":  # the two int32 halves written side by side: one pass, not three of int64
+        return torch.stack((positions, ordered), dim=-1).view(torch.int64).squeeze(-1)
+    return (ordered.long() << 32) | positions
 
 
 def top_keys(keys: Tensor, positions: Tensor, top_k: int) -> Tensor:
@@ -43,3 +48,11 @@ def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int) -> Tenso
         scores = scores.masked_fill(torch.arange(visible, device=q.device) > positions[:, None], float("-inf"))
         out[:, c0:c1] = top_keys(ranking_keys(scores), positions, top_k)
     return out
+
+
+def gathered_scores(q: Tensor, k: Tensor, w: Tensor, indices: Tensor) -> Tensor:
+    """Shapes and meaning as kernels.lightning_index.gathered_scores: the chosen keys gathered, then
+    scored (with gradient)."""
+    keys = k[torch.arange(k.shape[0], device=k.device)[:, None, None], indices.clamp(min=0)]  # [b, c, slots, d]
+    products = at_least_fp32(torch.einsum("bcjd,bckd->bcjk", q, keys)).relu()
+    return (at_least_fp32(w)[..., None] * products).sum(2).masked_fill(indices < 0, 0.0)

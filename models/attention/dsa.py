@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from kernels import at_least_fp32
 from kernels.gather_attention import gather_attention, gathered_probabilities
 from kernels.gather_attention import triton_problem as gather_problem
-from kernels.lightning_index import index_topk
+from kernels.lightning_index import gathered_scores, index_topk
 from kernels.lightning_index import triton_problem as index_problem
 from models.attention import cache as kv_cache
 from models.attention.knobs import check_at_least_1, check_gqa, check_kernel, check_no_dropout
@@ -70,9 +70,10 @@ class LightningIndexer(nn.Module):
 
 
 def indexer_scores(q: Tensor, k: Tensor, w: Tensor) -> Tensor:
-    """I(t, s) with gradient, each query against its own keys: q [b, c, heads, d], k [b, c, keys, d]
-    (or [b, keys, d], shared), w [b, c, heads] -> [b, c, keys], at least fp32."""
-    products = torch.einsum("bcjd,bckd->bcjk" if k.dim() == 4 else "bcjd,bkd->bcjk", q, k)
+    """I(t, s) with gradient, every query against every key: q [b, c, heads, d], k [b, keys, d],
+    w [b, c, heads] -> [b, c, keys], at least fp32 (the chosen keys alone: lightning_index's
+    gathered_scores)."""
+    products = torch.einsum("bcjd,bkd->bcjk", q, k)
     return (at_least_fp32(w)[..., None] * at_least_fp32(products).relu()).sum(2)
 
 
@@ -209,17 +210,16 @@ class DeepSeekSparseAttention(nn.Module):
         the indexer's over them, a chunk of queries at a time, each recomputed in the backward."""
         b, h, g, n, _ = q.shape
         target = gathered_probabilities(rearrange(q.detach(), "b h g n d -> (b h) n g d"), k.detach().flatten(0, 1),
-                                        indices, lse.detach(), 0)
+                                        indices, lse.detach(), 0, self.kernel)
         target = target.view(b, h, n, -1).sum(1) / (h * g)  # [b, n, top_k]
         step = max(1, _KL_CHUNK // chosen.shape[-1])
         total = sum(recomputed(self._sparse_kl_chunk, index_q[:, c0 : c0 + step], index_k, index_w[:, c0 : c0 + step],
                                chosen[:, c0 : c0 + step], target[:, c0 : c0 + step]) for c0 in range(0, n, step))
         return total / (b * n)
 
-    @staticmethod
-    def _sparse_kl_chunk(index_q: Tensor, index_k: Tensor, index_w: Tensor, chosen: Tensor, target: Tensor) -> Tensor:
-        keys = index_k[torch.arange(index_k.shape[0], device=chosen.device)[:, None, None], chosen.clamp(min=0)]
-        return kl_to_target(target, indexer_scores(index_q, keys, index_w), chosen >= 0)
+    def _sparse_kl_chunk(self, index_q: Tensor, index_k: Tensor, index_w: Tensor, chosen: Tensor,
+                         target: Tensor) -> Tensor:
+        return kl_to_target(target, gathered_scores(index_q, index_k, index_w, chosen, self.kernel), chosen >= 0)
 
 
 def _check(heads, kv_heads, dim_head, index_heads, index_dim_head, top_k, warmup_steps, kl_weight, dropout,

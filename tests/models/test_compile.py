@@ -3,7 +3,8 @@ graph hands out tensors that alias its intermediates, which AOTAutograd's cache 
 garbage sizes in torch 2.13), against eager: outputs, the gradients of the input and of every
 parameter, and the buffers a forward updates, over several calls of one compiled graph with new
 inputs. NSA and MoBA run on their CPU kernels (custom operators: a disabled kernel would break the
-graph); DSA in both stages, its indexer's KL compared with the output.
+graph); DSA in both stages, its indexer's KL compared with the output, and on its CPU kernels
+(custom operators too) through AOTAutograd.
 Random draws (dropout, Gumbel noise) are the eager ones (Inductor's fallback_random).
 
 NSA and MoBA compile through Inductor, which decides the layouts its custom operators receive; the models
@@ -59,10 +60,10 @@ def dvae_case():
     return model, lambda gen: (torch.rand(2, 3, 16, 16, generator=gen),), lambda forward, x: forward(*x)[0]
 
 
-def dsa_case(warmup_steps: int):
+def dsa_case(warmup_steps: int, kernel: str = "torch"):
     """DSA's output and its indexer's KL (the layer's aux_loss, which trains the indexer alone)."""
     layer = DeepSeekSparseAttention(dim=32, heads=4, dim_head=16, kv_heads=2, index_heads=2, index_dim_head=8,
-                                    top_k=5, warmup_steps=warmup_steps, kl_weight=1.0, kernel="torch")
+                                    top_k=5, warmup_steps=warmup_steps, kl_weight=1.0, kernel=kernel)
 
     def call(forward, x):
         out = forward(*x)
@@ -87,6 +88,7 @@ CASES = {
                                                            top_k=3, kernel="cpu")),
     "dsa-warm-up": lambda: dsa_case(warmup_steps=10),
     "dsa": lambda: dsa_case(warmup_steps=0),
+    "dsa-c": lambda: dsa_case(warmup_steps=0, kernel="auto"),  # on the CPU: its C kernels, custom operators
     "lm": lm_case,  # the speculative pair's members (and the LM task's model)
     "dalle": dalle_case,
     "dvae": dvae_case,
@@ -102,7 +104,7 @@ def fresh_dynamo():
     torch._dynamo.reset()  # compiled graphs hold guards on these modules: none outlive the test
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_c) if n in INDUCTOR else n for n in CASES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_c) if n in INDUCTOR | {"dsa-c"} else n for n in CASES])
 def test_compiled_whole_equals_eager(name):
     torch.manual_seed(0)
     model, make_inputs, call_with = CASES[name]()

@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.gather_attention import cpu_built as gather_cpu_built
+from kernels.lightning_index import cpu_built as index_cpu_built
 from kernels.lightning_index.naive import index_scores, index_topk
 from models.attention.dsa import DeepSeekSparseAttention
 from models.lm import dsa_lm
@@ -177,6 +179,30 @@ def test_triton_kernels_train_as_the_torch_path():
                                                                                    [x, *attn.parameters()]))])
     for expected, got in zip(*results):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not (gather_cpu_built() and index_cpu_built()), reason="no C compiler to build the CPU kernels")
+def test_c_kernels_train_as_the_torch_path():
+    """kernel=auto on CPU tensors: the indexer's top-k, the gather attention, the KL's target and the
+    chosen keys' scores on the C kernels: the same output, KL and gradients as the torch path, fp32."""
+    results = []
+    for kernel in ("torch", "auto"):
+        torch.manual_seed(0)
+        attn = DeepSeekSparseAttention(dim=32, heads=4, dim_head=16, kv_heads=2, index_heads=2, index_dim_head=16,
+                                       top_k=6, warmup_steps=0, kl_weight=1.0, kernel=kernel).train()
+        x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        out = attn(x)
+        results.append([out, attn.aux_loss, *torch.autograd.grad(out.square().sum() + attn.aux_loss,
+                                                                 [x, *attn.parameters()])])
+    for expected, got in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not (gather_cpu_built() and index_cpu_built()), reason="no C compiler to build the CPU kernels")
+@pytest.mark.parametrize("pieces", [[1] * 23, [5, 3, 8, 7]], ids=str)
+def test_cached_decoding_equals_parallel_forward_on_the_c_kernels(pieces):
+    model = tiny_dsa(kernel="auto").float().eval()
+    assert_cached_decoding_equals_parallel(model, torch.randint(0, 32, (2, 23)), pieces, atol=1e-5)
 
 
 @pytest.mark.parametrize("bad, message", [
