@@ -39,8 +39,10 @@ from torch import Tensor, nn
 
 from kernels import at_least_fp32
 from kernels.gather_attention import gather_attention, gathered_probabilities
+from kernels.gather_attention import cpu_built as gather_cpu_built
 from kernels.gather_attention import triton_problem as gather_problem
 from kernels.lightning_index import gathered_scores, index_topk
+from kernels.lightning_index import cpu_built as index_cpu_built
 from kernels.lightning_index import triton_problem as index_problem
 from models.attention import cache as kv_cache
 from models.attention.knobs import check_at_least_1, check_gqa, check_kernel, check_no_dropout
@@ -237,4 +239,5 @@ def _check(heads, kv_heads, dim_head, index_heads, index_dim_head, top_k, warmup
         raise ValueError(f"warmup_steps={warmup_steps} trains the indexer by its KL alone, and kl_weight=0 turns "
                          "that off: set model.kl_weight > 0, or model.warmup_steps=0")
     check_no_dropout(dropout, "DSA's gather kernels")
-    check_kernel(kernel, "DSA", None, gather_problem(heads // kv_heads, dim_head) or index_problem(index_dim_head))
+    check_kernel(kernel, "DSA", lambda: gather_cpu_built() and index_cpu_built(),
+                 gather_problem(heads // kv_heads, dim_head) or index_problem(index_dim_head))

@@ -38,8 +38,8 @@ def test_shapes_the_triton_kernels_do_not_take_run_in_torch_under_auto_and_are_r
 
 
 def test_a_knob_that_cannot_run_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="kernel=cpu: DSA has no C kernel"):
-        dispatch.check("cpu", "DSA")
+    with pytest.raises(ValueError, match="kernel=cpu: Sinkhorn has no C kernel"):
+        dispatch.check("cpu", "Sinkhorn")
     with pytest.raises(ValueError, match="kernel='fast' must be one of auto, torch, cpu, triton"):
         dispatch.check("fast", "NSA")
 
