@@ -134,6 +134,21 @@ typedef struct {
     int failed; /* set by the body when it could not allocate its scratch */
 } Work;
 
+/* Zeroes the key and value gradients dk, dv [threads or 1, bh, n, d] that a thread adds into: its
+ * own buffer (all bh batch * kv heads), or with shared_grads the batch * kv heads its rows (m of
+ * them each) belong to, which no other thread's rows do. */
+INLINE void zero_key_grads(float *dk, float *dv, int64_t bh, int64_t m, int64_t n, int64_t d, int shared_grads,
+                           const Work *work) {
+    int64_t first = work->thread * bh, count = bh;
+    if (shared_grads) {
+        if (work->first >= work->last) return;
+        first = work->first / m;
+        count = (work->last - 1) / m + 1 - first;
+    }
+    memset(dk + first * n * d, 0, (size_t)count * n * d * sizeof(float));
+    memset(dv + first * n * d, 0, (size_t)count * n * d * sizeof(float));
+}
+
 /* Runs body over `rows` rows on `threads` threads (the caller's among them); 0 on success.
  * interleave: thread t takes rows t, t + threads, ... (balanced when a row's cost grows with its
  * index); otherwise each thread takes one contiguous range.

@@ -292,23 +292,10 @@ static void *forward_work(void *arg) {
     return NULL;
 }
 
-/* Zeroes the key and value gradients this thread adds into: its own buffer, or with shared_grads
- * the batch * kv heads its rows belong to (no other thread's rows do). */
-static void zero_grads(const Problem *p, const Work *work) {
-    int64_t first = work->thread * p->bh, count = p->bh;
-    if (p->shared_grads) {
-        if (work->first >= work->last) return;
-        first = work->first / p->m;
-        count = (work->last - 1) / p->m + 1 - first;
-    }
-    memset(p->dk + first * p->n * p->d, 0, (size_t)count * p->n * p->d * sizeof(float));
-    memset(p->dv + first * p->n * p->d, 0, (size_t)count * p->n * p->d * sizeof(float));
-}
-
 static void *backward_work(void *arg) {
     Work *work = arg;
     const Problem *p = work->problem;
-    zero_grads(p, work);
+    zero_key_grads(p->dk, p->dv, p->bh, p->m, p->n, p->d, p->shared_grads, work);
     float *buffer = malloc(((size_t)4 * (p->max_keys + 1) + 4 * p->d) * sizeof(float));
     if (!buffer) { work->failed = 1; return NULL; }
     for (int64_t r = work->first; r < work->last; r += work->step) backward_row(p, r / p->m, r % p->m, work->thread, buffer);
