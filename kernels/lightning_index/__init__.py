@@ -70,7 +70,7 @@ def gathered_scores(q: Tensor, k: Tensor, w: Tensor, indices: Tensor, kernel: st
     indices  [batch, c, slots]                        chosen key positions (int64); -1: unused
     returns  I(t, indices[t, s]) [batch, c, slots], at least fp32, 0 in unused slots
 
-    kernel: model.kernel: "cpu" or "auto" take the C kernel (gathered_scores.c) on CPU tensors
+    kernel: model.kernel: "cpu" or "auto" take the C kernel (lightning_index.c) on CPU tensors
     where it builds; elsewhere the chosen keys are gathered and scored in torch (reference.py).
     """
     if dispatch.choose(q, kernel, None, cpu_built, "the lightning indexer") == "cpu":
