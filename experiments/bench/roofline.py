@@ -164,7 +164,8 @@ def nsa_parts(setting: dict, n: int, backward: bool, glue_over_io: float, elemen
     """NSA (models/attention/nsa.py on its fused kernels): the query, key/value (one pair a branch),
     gate and output projections; the two block compressors (an MLP per KV head from a block of
     keys to one, hidden dim_head x compress_hidden_mult); each branch (branch_work; its backward
-    is attention's 5 products over the same pairs, selection has none); and the glue."""
+    is attention's 5 products over the same pairs, 7 where it recomputes rowsum(dO * O), selection
+    has none); and the glue."""
     dim, h, kv, d = setting["dim"], setting["heads"], setting["kv_heads"], setting["dim_head"]
     block, stride = setting["compress_block_size"], setting["compress_stride"]
     hidden = max(1, int(d * setting.get("compress_hidden_mult", 1.0)))
@@ -180,9 +181,12 @@ def nsa_parts(setting: dict, n: int, backward: bool, glue_over_io: float, elemen
     compressor_bytes = 2 * kv * (n * d + 2 * blocks * hidden + blocks * d + block * d * hidden + hidden * d) * element
     parts = [projections, Part("compressor", compressor_flops, compressor_bytes * scale)]
     work, pairs = branch_work(setting, n, element), branch_pairs(setting, n)
+    # where the branches' outputs outweigh the kernels' inputs, the backward recomputes rowsum(dO * O):
+    # q.k and dp once more over the same pairs (kernels/nsa_attention/triton.py keeps_outputs)
+    kept = 3 * h * d * n <= h * d * n + branches * 2 * kv * d * n + 2 * kv * blocks * d
     for name in ("compressed", "selected", "window"):
         flops, moved = work[name]
-        flops += attention_flops(pairs[name], h, d, backward=True) if backward else 0
+        flops += attention_flops(pairs[name], h, d, backward=True) * (1 if kept else 7 / 5) if backward else 0
         parts.append(Part(name, flops, moved * scale))
     parts.append(Part("glue", 0.0, glue_over_io * io_bytes(setting, n, element, branches)))
     return tuple(parts)

@@ -31,7 +31,8 @@ def _(q, kvc, k_slc, v_slc, k_win, v_win, gates, phases, start, block, stride, f
     kv_heads = kvc.shape[2] // 2
     indexed = n and free and (save or fsa)  # the chosen blocks' reverse index
     return (q.new_empty(b, n, heads, dim), q.new_empty(b, kv_heads, n, free, dtype=torch.int32),
-            q.new_empty(3 if save else 1, b, n, heads, dim),
+            q.new_empty(3 if save and kernels.keeps_outputs(q, kvc, k_slc, v_slc, k_win, v_win) else 0, b, n, heads,
+                        dim),
             q.new_empty(3, b, kv_heads, n, heads // kv_heads, dtype=torch.float32),
             q.new_empty((b * kv_heads, n * free) if indexed else (0,), dtype=torch.int64),
             q.new_empty((b * kv_heads, n * free) if indexed else (0,), dtype=torch.int32))

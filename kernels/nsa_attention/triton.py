@@ -121,21 +121,34 @@ def flash_sparse_order(group: int, free: int) -> bool:
     return free > 0 and group < 16 and not torch.are_deterministic_algorithms_enabled()
 
 
+def keeps_outputs(q: Tensor, *keys: Tensor) -> bool:
+    """Whether a forward for training keeps the branches' outputs before their gates (3x q) for the
+    backward: only where they weigh no more than the kernels' inputs q and `keys` (every branch's
+    keys and values), so a layer never saves more than it was given. Else the dq kernels recompute
+    rowsum(dO * O) in a first pass over the keys: at the paper's GQA group of 16 the outputs would
+    be 3x q against inputs of ~1.3x q, and the pass adds ~2 of the backward's ~7 products a pair."""
+    return 3 * q.numel() <= q.numel() + sum(k.numel() for k in keys)
+
+
 def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
             gates: Tensor, phases: Tensor, start: int, knobs: Knobs, save: bool, fsa: bool
             ) -> tuple[Tensor, ...]:
     """The gated sum of the three branches -> out [b, n, heads, d], the chosen fine blocks
-    [b, kv_heads, n, free] (int32, num_fine where unused), and for the backward the branches'
-    outputs before their gates [3, b, n, heads, d] (one scratch unless `save`), their log-sum-exps
-    [3, b, kv_heads, n, group] and the chosen blocks' reverse index (order, ranked: _reverse_index;
-    empty unless `save` or `fsa`, Flash Sparse Attention's order for the chosen blocks)."""
+    [b, kv_heads, n, free] (int32, num_fine where unused), and for the backward (`save`) the
+    branches' outputs before their gates [3, b, n, heads, d] (where keeps_outputs, else [0, ...]),
+    their log-sum-exps [3, b, kv_heads, n, group] and the chosen blocks' reverse index (order,
+    ranked: _reverse_index; empty unless `save` or `fsa`, Flash Sparse Attention's order for the
+    chosen blocks)."""
     b, n, heads, dim = q.shape
     kv_heads, num_blocks = kc.shape[1], kc.shape[2]
     group, num_keys = heads // kv_heads, k_slc.shape[1]
     num_fine = triton.cdiv(num_keys, knobs.fine)
     fsa = fsa and knobs.free > 0
+    keep = save and keeps_outputs(q, kc, vc, k_slc, v_slc, k_win, v_win)
     out = torch.empty(b, n, heads, dim, device=q.device, dtype=q.dtype)
-    saved = torch.empty(3 if save else 1, b, n, heads, dim, device=q.device, dtype=q.dtype)
+    saved = torch.empty(3 if keep else 0, b, n, heads, dim, device=q.device, dtype=q.dtype)
+    # the selected branch's state between its tile and its positions (the paper's order), where not kept
+    scratch = saved if keep else torch.empty(1, b, n, heads, dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(3, b, kv_heads, n, group, device=q.device, dtype=torch.float32)
     blocks = torch.empty(b, kv_heads, n, knobs.free, device=q.device, dtype=torch.int32)
     order, ranked = (torch.empty(0, device=q.device, dtype=dtype) for dtype in (torch.int64, torch.int32))
@@ -156,10 +169,10 @@ def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_w
                 _pairs(0, q, k, v, lse[FORCED], stats, acc, phases, blocks, ranked, order, start, num_fine, knobs)
         count = _Count(q)
         meta = _meta(mask, q, kv_heads, knobs)
-        forward_kernel[grid](q, k, v, gates[:, :, mask], out, saved[mask if save else 0], lse[mask], phases, blocks,
-                             stats, acc, gates[:, :, FORCED], saved[FORCED if save else 0], count.tensor,
+        forward_kernel[grid](q, k, v, gates[:, :, mask], out, scratch[mask if keep else 0], lse[mask], phases, blocks,
+                             stats, acc, gates[:, :, FORCED], scratch[FORCED if keep else 0], count.tensor,
                              *_strides(q), *_key_strides(mask, k), *_strides(gates[:, :, mask]), *rows, start, n,
-                             keys, num_fine, ACCUMULATE=mask > 0, SAVE=save or mask == FORCED, COUNT=count.on,
+                             keys, num_fine, ACCUMULATE=mask > 0, SAVE=keep or mask == FORCED, COUNT=count.on,
                              FSA=fsa, FREE_P=max(2, triton.next_power_of_2(knobs.free)), **selection, **meta)
         count.record(f"{NAMES[mask]}_forward", grid, BM, meta["BN"], lambda: group * needed_pairs(
             mask, start, n, keys, knobs, blocks, pass_count=2 if mask == COMPRESSED and knobs.free else 1,
@@ -195,6 +208,7 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
     group, num_keys = heads // kv_heads, k_slc.shape[1]
     num_fine = triton.cdiv(num_keys, knobs.fine)
     fsa = fsa and knobs.free > 0
+    kept = saved.shape[0] == 3  # else the dq kernels recompute rowsum(dO * O) (keeps_outputs)
     dout = dout.contiguous()
     dq = torch.empty_like(dout)
     dq_acc = torch.empty(dout.shape, device=q.device, dtype=torch.float32) if fsa else dq
@@ -218,13 +232,15 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
         meta = _meta(mask, q, kv_heads, knobs)
         count = _Count(q)
         if step == "dq":
-            backward_dq_kernel[grid](q, k, v, gates[:, :, mask], dout, saved[mask], lse[mask], delta[mask],
-                                     dgates[:, :, mask], dq, dq_acc, phases, blocks, count.tensor, *_strides(q),
-                                     *_key_strides(mask, k), *_strides(gates[:, :, mask]), *_strides(dout), 0, n, keys,
-                                     ACCUMULATE=mask != steps[0][0], COUNT=count.on, GROUP_PAD=selection["GROUP_PAD"],
-                                     BLOCK_PAD=selection["BLOCK_PAD"], FSA=fsa, **meta)
-            count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"],
-                         lambda: group * needed_pairs(mask, 0, n, keys, knobs, blocks, chosen=not fsa))
+            backward_dq_kernel[grid](q, k, v, gates[:, :, mask], dout, saved[mask] if kept else dout, lse[mask],
+                                     delta[mask], dgates[:, :, mask], dq, dq_acc, phases, blocks, count.tensor,
+                                     *_strides(q), *_key_strides(mask, k), *_strides(gates[:, :, mask]),
+                                     *_strides(dout), 0, n, keys, ACCUMULATE=mask != steps[0][0], COUNT=count.on,
+                                     GROUP_PAD=selection["GROUP_PAD"], BLOCK_PAD=selection["BLOCK_PAD"], FSA=fsa,
+                                     RECOMPUTE=not kept, **meta)
+            count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"], lambda: group * (needed_pairs(
+                mask, 0, n, keys, knobs, blocks, pass_count=1 if kept else 2, chosen=not fsa) + (
+                0 if kept or not fsa or mask != FORCED else chosen_pairs(0, knobs, blocks))))
             continue
         if mask == COMPRESSED:
             chunks = _chunks(n, b * kv_heads * keys * dim * 8, q)
@@ -282,20 +298,21 @@ def _reverse_index(blocks: Tensor) -> tuple[Tensor, Tensor]:
 def needed_pairs(mask: int, start: int, n: int, keys: int, knobs: Knobs, blocks: Tensor, pass_count: int = 1,
                  chosen: bool = True) -> int:
     """(query, key) pairs a branch's mask lets through for one head, summed over batch * kv heads
-    and queries start..start + n - 1, the chosen blocks' pairs included where `chosen` (counted only
-    while recording launches: it reads the blocks)."""
+    and queries start..start + n - 1, the chosen blocks' pairs included where `chosen`, times the
+    passes a kernel needs over them (counted only while recording launches: it reads the blocks)."""
     t = torch.arange(start, start + n)
     bh = blocks.shape[0] * blocks.shape[1]
     if mask == COMPRESSED:
-        return pass_count * bh * int(visible_compressed(t, knobs.block, knobs.stride, keys).sum())
-    if mask == WINDOW:
-        return bh * int((torch.minimum(t + 1, torch.tensor(keys)) - (t - knobs.window + 1).clamp(min=0)).clamp(min=0).sum())
-    own = t // knobs.fine
-    own_keys = t - own * knobs.fine + 1
-    initial = torch.where(own > 0, torch.full_like(t, knobs.fine), 0) if knobs.forced >= 2 else 0
-    previous = torch.where(own > 1, torch.full_like(t, knobs.fine), 0) if knobs.forced >= 3 else 0
-    forced = bh * int((own_keys + initial + previous).sum())
-    return forced + (chosen_pairs(start, knobs, blocks) if chosen else 0)
+        pairs = bh * int(visible_compressed(t, knobs.block, knobs.stride, keys).sum())
+    elif mask == WINDOW:
+        pairs = bh * int((torch.minimum(t + 1, torch.tensor(keys)) - (t - knobs.window + 1).clamp(min=0)).clamp(min=0).sum())
+    else:
+        own = t // knobs.fine
+        own_keys = t - own * knobs.fine + 1
+        initial = torch.where(own > 0, torch.full_like(t, knobs.fine), 0) if knobs.forced >= 2 else 0
+        previous = torch.where(own > 1, torch.full_like(t, knobs.fine), 0) if knobs.forced >= 3 else 0
+        pairs = bh * int((own_keys + initial + previous).sum()) + (chosen_pairs(start, knobs, blocks) if chosen else 0)
+    return pass_count * pairs
 
 
 def chosen_pairs(start: int, knobs: Knobs, blocks: Tensor) -> int:

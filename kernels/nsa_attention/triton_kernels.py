@@ -10,7 +10,7 @@ Layouts, read where the projections write them (any strides, dim_head contiguous
     phases   [seq_k, dim_head / 2, 2]               (cos, sin) of each rotary pair's angle, fp32
 Written:
     out      [batch, seq_q, heads, dim_head]        the gated branches' sum, each kernel adding its own
-    saved    [batch, seq_q, heads, dim_head]        a branch's output before its gate, for the backward
+    saved    [batch, seq_q, heads, dim_head]        a branch's output before its gate, kept for the backward
     lse      [batch, kv_heads, seq_q, group]        fp32 (a tile's rows lie contiguous)
     blocks   [batch, kv_heads, seq_q, free]         int32 freely chosen fine blocks, `num_fine` if unused
 
@@ -28,7 +28,8 @@ log-sum-exps (the tile's state goes through memory once, behind a barrier).
 
 Backward, from the saved log-sum-exps (no second forward): a dq kernel per branch (over the same
 key tiles; it also writes the gate's gradient and the branch's rowsum(dO * O), which its dk/dv
-kernel reads), and a dk/dv kernel per branch with one program per key tile over the query rows
+kernel reads: from the output the forward kept or, with RECOMPUTE, summed as P * dP in a first
+pass over the keys, where keeping three outputs would outweigh the kernels' inputs), and a dk/dv kernel per branch with one program per key tile over the query rows
 that can see it, adding nothing atomically: the compressed keys' readers are split into chunks
 of queries (every later position reads a compressed key), as are the readers of the initial fine
 block, and the chunks' partial sums are added in a fixed order. The freely chosen blocks' dk/dv
@@ -468,11 +469,12 @@ def pairs_kernel(Q, K, V, LSE, STATS, ACC, PH, SORTED, ORDER, COUNTER, sqb, sqt,
 
 
 @triton.jit
-def _dq_run(q, do, t, row_ok, lse2, delta, dq, K, V, kbase, skt, PH, lo, hi, num_keys, COUNTER, MASK: tl.constexpr,
+def _dq_run(q, do, t, row_ok, lse2, delta, acc, K, V, kbase, skt, PH, lo, hi, num_keys, COUNTER, MASK: tl.constexpr,
             L: tl.constexpr, S: tl.constexpr, FINE: tl.constexpr, FORCED_BLOCKS: tl.constexpr, W: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, STEP: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr,
-            ROTARY: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr):
-    """dq [rows, D] (unscaled, in the rotated frame) from keys [lo, hi): dS = P * (dP - delta)."""
+            ROTARY: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr, ROWSUM: tl.constexpr):
+    """acc += dq [rows, D] (unscaled, in the rotated frame) from keys [lo, hi): dS = P * (dP - delta);
+    ROWSUM: acc [rows] += rowsum(dO * O) = the sum over the keys of P * dP, without O."""
     d = tl.arange(0, D)
     n = tl.arange(0, BN)
     for c0 in range(lo, hi, STEP):
@@ -481,37 +483,44 @@ def _dq_run(q, do, t, row_ok, lse2, delta, dq, K, V, kbase, skt, PH, lo, hi, num
         k, v = _keys(K, V, kbase, skt, cols, ok, PH, d, BN, D, ROTARY)
         visible = _visible(t, cols, num_keys, MASK, L, S, FINE, FORCED_BLOCKS, W) & ok[None, :] & row_ok[:, None]
         p = tl.where(visible, tl.exp2(qk(q, k, USE_DOT) * (SCALE * LOG2E) - lse2[:, None]), 0.0)
-        ds = p * (qk(do, v, USE_DOT) - delta[:, None])
-        dq += pv(ds, k, USE_DOT)
+        dp = qk(do, v, USE_DOT)
+        if ROWSUM:
+            acc += tl.sum(p * dp, 1)
+        else:
+            acc += pv(p * (dp - delta[:, None]), k, USE_DOT)
         if COUNT:
             tl.atomic_add(COUNTER, BM * BN)
-    return dq
+    return acc
 
 
 @triton.jit
-def _gradient_rows(GATE, DOUT, SAVED, LSE, DELTA, DGATE, at, gate_at, lse_at, ok, dtype: tl.constexpr):
-    """For rows of one branch: rowsum(dO * O) with dO = gate * dout gives the gate's gradient
-    (written) and delta (written, for the dk/dv kernel); -> (gate * dout in `dtype`, lse in log2
-    units with empty rows at 0, delta)."""
+def _gated_dout(GATE, DOUT, LSE, at, gate_at, lse_at, ok, dtype: tl.constexpr):
+    """For rows of one branch -> (dO = gate * dout in `dtype`, dout in fp32, the gate in fp32, the
+    log-sum-exp in log2 units with empty rows at 0)."""
     dout = tl.load(DOUT + at, mask=ok[:, None], other=0.0).to(tl.float32)
-    o = tl.load(SAVED + at, mask=ok[:, None], other=0.0).to(tl.float32)
     sigma = _sigmoid(GATE, gate_at, ok)
-    rowsum = tl.sum(dout * o, 1)
-    delta = sigma * rowsum
-    tl.store(DGATE + gate_at, (sigma * (1.0 - sigma) * rowsum).to(DGATE.dtype.element_ty), mask=ok)
-    tl.store(DELTA + lse_at, delta, mask=ok)
     lse = tl.load(LSE + lse_at, mask=ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
-    return (dout * sigma[:, None]).to(dtype), lse2, delta
+    return (dout * sigma[:, None]).to(dtype), dout, sigma, lse2
 
 
 @triton.jit
-def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh,
-                    skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G: tl.constexpr, D: tl.constexpr,
-                    BM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, FINE: tl.constexpr, FREE: tl.constexpr,
-                    SCALE: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr):
+def _store_delta(DELTA, DGATE, delta, sigma, lse_at, gate_at, ok):
+    """delta = rowsum(dO * O) for the dk/dv kernel, and the gate's gradient, sigma * (1 - sigma) *
+    rowsum(dout * O) = (1 - sigma) * delta."""
+    tl.store(DELTA + lse_at, delta, mask=ok)
+    tl.store(DGATE + gate_at, ((1.0 - sigma) * delta).to(DGATE.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DGATE, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt,
+                    sqh, skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G: tl.constexpr,
+                    D: tl.constexpr, BM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr,
+                    FINE: tl.constexpr, FREE: tl.constexpr, SCALE: tl.constexpr, USE_DOT: tl.constexpr,
+                    COUNT: tl.constexpr, ROWSUM: tl.constexpr):
     """Each position of the tile adds its freely chosen blocks to the dq the tile left in DQ
-    (rotated frame, unscaled), then writes its dq. Q has its strides (sqb, sqt, sqh); DOUT and DQ
+    (rotated frame, unscaled), then writes its dq; ROWSUM: to the rowsum(dO * O) the tile left in
+    DELTA, then writes its delta and gate gradient. Q has its strides (sqb, sqt, sqh); DOUT and DQ
     share theirs (sob, sot, soh)."""
     P: tl.constexpr = BM // G
     d = tl.arange(0, D)
@@ -528,13 +537,14 @@ def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b,
             q_at = b * sqb + i * sqt + (h * G + g)[:, None] * sqh + d[None, :]
             q = _rotate(tl.load(Q + q_at, mask=ok, other=0.0).to(tl.float32), PH, pos, g_ok, GROUP_PAD, D, False)
             q = q.to(K.dtype.element_ty)
-            sigma = _sigmoid(GATE, b * sgb + i * sgt + (h * G + g) * sgh, g_ok)
-            do = (tl.load(DOUT + at, mask=ok, other=0.0).to(tl.float32) * sigma[:, None]).to(K.dtype.element_ty)
             lse_at = (pid_bh * seq_q + i) * G + g
-            lse = tl.load(LSE + lse_at, mask=g_ok, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+            gate_at = b * sgb + i * sgt + (h * G + g) * sgh
+            do, _, sigma, lse2 = _gated_dout(GATE, DOUT, LSE, at, gate_at, lse_at, g_ok, K.dtype.element_ty)
             delta = tl.load(DELTA + lse_at, mask=g_ok, other=0.0)
-            dq = tl.load(DQ + at, mask=ok, other=0.0).to(tl.float32)
+            if ROWSUM:
+                acc = delta
+            else:
+                acc = tl.load(DQ + at, mask=ok, other=0.0).to(tl.float32)
             for s_ in range(FREE):
                 block = tl.load(BLOCKS + (pid_bh * seq_q + i) * FREE + s_)
                 cols = block * FINE + j
@@ -543,12 +553,18 @@ def _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b,
                     k, v = _keys(K, V, kbase, skt, cols, key_ok, PH, d, BLOCK_PAD, D, True)
                     visible = key_ok[None, :] & g_ok[:, None]
                     p_ = tl.where(visible, tl.exp2(qk(q, k, USE_DOT) * (SCALE * LOG2E) - lse2[:, None]), 0.0)
-                    ds = p_ * (qk(do, v, USE_DOT) - delta[:, None])
-                    dq += pv(ds, k, USE_DOT)
+                    dp = qk(do, v, USE_DOT)
+                    if ROWSUM:
+                        acc += tl.sum(p_ * dp, 1)
+                    else:
+                        acc += pv(p_ * (dp - delta[:, None]), k, USE_DOT)
                     if COUNT:
                         tl.atomic_add(COUNTER, GROUP_PAD * BLOCK_PAD)
-            dq = _rotate(dq * SCALE, PH, pos, g_ok, GROUP_PAD, D, True)
-            tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=ok)
+            if ROWSUM:
+                _store_delta(DELTA, DGATE, acc, sigma, lse_at, gate_at, g_ok)
+            else:
+                dq = _rotate(acc * SCALE, PH, pos, g_ok, GROUP_PAD, D, True)
+                tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -558,12 +574,14 @@ def backward_dq_kernel(Q, K, V, GATE, DOUT, SAVED, LSE, DELTA, DGATE, DQ, DQ_ACC
                        MASK: tl.constexpr, L: tl.constexpr, S: tl.constexpr, FINE: tl.constexpr,
                        FORCED_BLOCKS: tl.constexpr, FREE: tl.constexpr, W: tl.constexpr, SCALE: tl.constexpr,
                        ROTARY: tl.constexpr, ACCUMULATE: tl.constexpr, USE_DOT: tl.constexpr, COUNT: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, FSA: tl.constexpr):
+                       GROUP_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, FSA: tl.constexpr,
+                       RECOMPUTE: tl.constexpr):
     """One branch's dq for a tile of rows (added to DQ when ACCUMULATE), its gate's gradient and
-    its delta = gate * rowsum(dout * O). DOUT, SAVED, DQ and DQ_ACC share the strides (sob, sot,
-    soh). With FSA (a group under 16) the selected branch leaves its forced blocks' dq in DQ_ACC
-    (fp32, rotated, unscaled) for the pairs' dk/dv kernel to add the chosen blocks' to, and the
-    window kernel, in the same frame, finishes it."""
+    its delta = gate * rowsum(dout * O), O read from SAVED or, with RECOMPUTE, summed over the keys
+    in a first pass. DOUT, SAVED, DQ and DQ_ACC share the strides (sob, sot, soh). With FSA (a
+    group under 16) the selected branch leaves its forced blocks' dq in DQ_ACC (fp32, rotated,
+    unscaled) for the pairs' dk/dv kernel to add the chosen blocks' to, and the window kernel, in
+    the same frame, finishes it."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // KVH, pid_bh % KVH
     i, g, row_ok = _rows(pid_m, seq_q, G, BM)
@@ -575,26 +593,46 @@ def backward_dq_kernel(Q, K, V, GATE, DOUT, SAVED, LSE, DELTA, DGATE, DQ, DQ_ACC
         q = _rotate(q.to(tl.float32), PH, t, row_ok, BM, D, False).to(K.dtype.element_ty)
     at = b * sob + i[:, None] * sot + (h * G + g)[:, None] * soh + d[None, :]
     lse_at = (pid_bh * seq_q + pid_m * (BM // G)) * G + tl.arange(0, BM)
-    do, lse2, delta = _gradient_rows(GATE, DOUT, SAVED, LSE, DELTA, DGATE, at, b * sgb + i * sgt + (h * G + g) * sgh,
-                                     lse_at, row_ok, K.dtype.element_ty)
+    gate_at = b * sgb + i * sgt + (h * G + g) * sgh
+    do, dout, sigma, lse2 = _gated_dout(GATE, DOUT, LSE, at, gate_at, lse_at, row_ok, K.dtype.element_ty)
     t_first = start + pid_m * (BM // G)
     t_last = start + tl.minimum(pid_m * (BM // G) + BM // G, seq_q) - 1
     lo0, hi0, lo1, hi1 = _key_runs(t_first, t_last, num_keys, MASK, L, S, FINE, FORCED_BLOCKS, W)
     kbase = b * skb + h * skh
     step: tl.constexpr = FINE if MASK == 1 else BN
+    if RECOMPUTE:  # a first pass over the keys for rowsum(dO * O): the forward kept no output
+        delta = tl.zeros([BM], tl.float32)
+        delta = _dq_run(q, do, t, row_ok, lse2, delta, delta, K, V, kbase, skt, PH, lo0, hi0, num_keys, COUNTER,
+                        MASK, L, S, FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT, True)
+        delta = _dq_run(q, do, t, row_ok, lse2, delta, delta, K, V, kbase, skt, PH, lo1, hi1, num_keys, COUNTER,
+                        MASK, L, S, FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT, True)
+        if MASK == 1 and FREE > 0:  # the tile's part to DELTA, then the chosen blocks' position by position
+            tl.store(DELTA + lse_at, delta, mask=row_ok)
+            tl.debug_barrier()
+            _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DGATE, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb,
+                            sqt, sqh, skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G, D, BM,
+                            GROUP_PAD, BLOCK_PAD, FINE, FREE, SCALE, USE_DOT, COUNT, True)
+            tl.debug_barrier()
+            delta = tl.load(DELTA + lse_at, mask=row_ok, other=0.0)
+        else:
+            _store_delta(DELTA, DGATE, delta, sigma, lse_at, gate_at, row_ok)
+    else:
+        o = tl.load(SAVED + at, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        delta = sigma * tl.sum(dout * o, 1)
+        _store_delta(DELTA, DGATE, delta, sigma, lse_at, gate_at, row_ok)
     dq = tl.zeros([BM, D], tl.float32)
     dq = _dq_run(q, do, t, row_ok, lse2, delta, dq, K, V, kbase, skt, PH, lo0, hi0, num_keys, COUNTER, MASK, L, S,
-                 FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT)
+                 FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT, False)
     dq = _dq_run(q, do, t, row_ok, lse2, delta, dq, K, V, kbase, skt, PH, lo1, hi1, num_keys, COUNTER, MASK, L, S,
-                 FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT)
+                 FINE, FORCED_BLOCKS, W, BM, BN, step, D, SCALE, ROTARY, USE_DOT, COUNT, False)
     if MASK == 1 and FREE > 0 and FSA:
         tl.store(DQ_ACC + at, dq, mask=row_ok[:, None])
     elif MASK == 1 and FREE > 0:  # the tile's part to DQ, then position by position (runs first: no ACCUMULATE)
         tl.store(DQ + at, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
         tl.debug_barrier()
-        _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb, sqt, sqh,
-                        skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G, D, BM, GROUP_PAD, BLOCK_PAD,
-                        FINE, FREE, SCALE, USE_DOT, COUNT)
+        _free_blocks_dq(Q, K, V, DOUT, GATE, LSE, DELTA, DGATE, DQ, PH, BLOCKS, COUNTER, b, h, pid_m, pid_bh, sqb,
+                        sqt, sqh, skt, kbase, sgb, sgt, sgh, sob, sot, soh, start, seq_q, num_keys, G, D, BM, GROUP_PAD,
+                        BLOCK_PAD, FINE, FREE, SCALE, USE_DOT, COUNT, False)
     else:
         if MASK == 2 and FSA:  # the selected branch's dq, complete in DQ_ACC
             dq += tl.load(DQ_ACC + at, mask=row_ok[:, None], other=0.0)

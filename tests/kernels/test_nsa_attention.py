@@ -91,6 +91,31 @@ def test_readers_cut_into_chunks_give_the_same_gradients(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
 
 
+@pytest.mark.parametrize("fsa", [False, True], ids=["paper-order", "flash-sparse-order"])
+def test_a_forward_that_keeps_no_output_gives_the_backward_the_same_gradients(fsa, monkeypatch):
+    """Where the three branches' outputs would outweigh the kernels' inputs (a large GQA group) the
+    forward keeps none, and the dq kernels sum rowsum(dO * O) over the keys first: at group 16 by
+    itself, and at group 2 made to, the gradients of the definition and of a backward that kept them."""
+    tensors, phases, knobs = inputs(21, 16, 1, 16, 8, 4, 8, 4, 8, torch.float32, seed=8)
+    assert kernels.forward(*[t.to(DEVICE) for t in tensors], phases.to(DEVICE), 0, knobs, save=True,
+                           fsa=fsa)[2].shape[0] == 0
+    tensors, phases, knobs = inputs(37, 4, 2, 16, 8, 4, 8, 4, 8, torch.float32, seed=8)
+    tensors, phases = [t.to(DEVICE) for t in tensors], phases.to(DEVICE)
+    grad = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    results = []
+    for keep in (True, False):
+        monkeypatch.setattr(kernels, "keeps_outputs", lambda *_: keep)
+        out, blocks, saved, lse, order, ranked = kernels.forward(*tensors, phases, 0, knobs, save=True, fsa=fsa)
+        assert saved.shape[0] == (3 if keep else 0)
+        results.append(kernels.backward(grad, *tensors, phases, saved, lse, blocks, order, ranked, knobs, fsa))
+    leaves = [t.double().cpu().requires_grad_() for t in tensors]
+    expected, _ = definition(leaves, phases.cpu(), knobs)
+    expected_grads = torch.autograd.grad((expected * grad.double().cpu()).sum(), leaves)
+    for name, kept, recomputed, want in zip(GRADIENTS, *results, expected_grads):
+        assert_close(name, recomputed, want, torch.float32)
+        torch.testing.assert_close(recomputed, kept, rtol=1e-5, atol=1e-6, msg=f"{name}: recomputed differs from kept")
+
+
 def test_deterministic_runs_take_the_order_without_atomic_adds():
     """Flash Sparse Attention's order adds a row's chosen blocks atomically (their sum's rounding
     follows the order the programs finish in); deterministic runs keep the paper's order."""
@@ -102,9 +127,10 @@ def test_deterministic_runs_take_the_order_without_atomic_adds():
         torch.use_deterministic_algorithms(False)
 
 
-def test_the_custom_operator_passes_torch_library_checks():
+@pytest.mark.parametrize("heads", [2, 16], ids=["outputs-kept", "outputs-recomputed"])
+def test_the_custom_operator_passes_torch_library_checks(heads):
     """Schema, fake tensors, autograd registration: what torch.compile relies on."""
-    tensors, phases, knobs = inputs(12, 2, 1, 16, 4, 2, 4, 4, 4, torch.float32, seed=5)
+    tensors, phases, knobs = inputs(12, heads, 1, 16, 4, 2, 4, 4, 4, torch.float32, seed=5)
     q, kc, vc, *local = tensors
     kvc = torch.cat((kc, vc), dim=1).transpose(1, 2)  # [b, blocks, 2 * kv_heads, d]: the keys' heads, the values'
     args = [t.to(DEVICE).requires_grad_() for t in (q, kvc, *local)]
