@@ -2,9 +2,9 @@
 reference) and its operator in `__init__.py`, which, where there are several paths, picks among them
 by the one rule of dispatch.py; the paths differ by package:
 
-    gather_attention                                        reference.py (chunked PyTorch), gather_attention.c and
-                                                            cpu.py (the CPU kernel), triton.py
-    lightning_index, selected_attention                     reference.py (chunked PyTorch), triton.py
+    gather_attention, lightning_index                       reference.py (chunked PyTorch), <package>.c and cpu.py
+                                                            (the CPU kernel), triton.py
+    selected_attention                                      reference.py (chunked PyTorch), triton.py
     span_attention                                          span_attention.c (the CPU kernel) alone
     nsa_attention                                           the three branches over several files: chunked and
                                                             tiled torch, selection.c and cpu.py, fused Triton
