@@ -210,7 +210,7 @@ static void *select_work(void *arg) {
     const Problem *p = work->problem;
     const int64_t fine = (p->m - 1) / p->fine_block + 1, ld = p->blocks_tiled, groups = (p->m + QUERIES - 1) / QUERIES;
     const int64_t segments_size = fine * (p->fine_block / p->unit);
-    float *scores = malloc((size_t)(QUERIES * (2 * ld + p->d) + segments_size + fine) * sizeof(float));
+    float *scores = line_aligned((size_t)(QUERIES * (2 * ld + p->d) + segments_size + fine) * sizeof(float));
     if (!scores) { work->failed = 1; return NULL; }
     float *probs = scores + QUERIES * ld, *q = probs + QUERIES * ld, *segments = q + QUERIES * p->d;
     float *importance = segments + segments_size;
@@ -336,7 +336,7 @@ static void *backward_work(void *arg) {
     Work *work = arg;
     const Problem *p = work->problem;
     const int64_t ld = p->blocks_tiled, groups = (p->m + QUERIES - 1) / QUERIES;
-    float *probs = malloc((size_t)(QUERIES * (2 * ld + 2 * p->d)) * sizeof(float));
+    float *probs = line_aligned((size_t)(QUERIES * (2 * ld + 2 * p->d)) * sizeof(float));
     if (!probs) { work->failed = 1; return NULL; }
     float *dprobs = probs + QUERIES * ld, *q = dprobs + QUERIES * ld, *dout = q + QUERIES * p->d;
     for (int64_t r = work->first; r < work->last; r += work->step) {
