@@ -126,7 +126,8 @@ def keeps_outputs(q: Tensor, *keys: Tensor) -> bool:
     backward: only where they weigh no more than the kernels' inputs q and `keys` (every branch's
     keys and values), so a layer never saves more than it was given. Else the dq kernels recompute
     rowsum(dO * O) in a first pass over the keys: at the paper's GQA group of 16 the outputs would
-    be 3x q against inputs of ~1.3x q, and the pass adds ~2 of the backward's ~7 products a pair."""
+    be 3x q against inputs of ~1.3x q, and the pass adds 2 products a pair (q.k and dP) to the 7 of
+    the dq and dk/dv kernels."""
     return 3 * q.numel() <= q.numel() + sum(k.numel() for k in keys)
 
 
@@ -238,9 +239,11 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
                                      *_strides(dout), 0, n, keys, ACCUMULATE=mask != steps[0][0], COUNT=count.on,
                                      GROUP_PAD=selection["GROUP_PAD"], BLOCK_PAD=selection["BLOCK_PAD"], FSA=fsa,
                                      RECOMPUTE=not kept, **meta)
-            count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"], lambda: group * (needed_pairs(
-                mask, 0, n, keys, knobs, blocks, pass_count=1 if kept else 2, chosen=not fsa) + (
-                0 if kept or not fsa or mask != FORCED else chosen_pairs(0, knobs, blocks))))
+            # recomputing, a first pass over the same pairs, and over the chosen blocks in either order
+            chosen_first_pass = not kept and fsa and mask == FORCED
+            count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"], lambda: group * (
+                needed_pairs(mask, 0, n, keys, knobs, blocks, pass_count=1 if kept else 2, chosen=not fsa)
+                + (chosen_pairs(0, knobs, blocks) if chosen_first_pass else 0)))
             continue
         if mask == COMPRESSED:
             chunks = _chunks(n, b * kv_heads * keys * dim * 8, q)

@@ -29,12 +29,13 @@ log-sum-exps (the tile's state goes through memory once, behind a barrier).
 Backward, from the saved log-sum-exps (no second forward): a dq kernel per branch (over the same
 key tiles; it also writes the gate's gradient and the branch's rowsum(dO * O), which its dk/dv
 kernel reads: from the output the forward kept or, with RECOMPUTE, summed as P * dP in a first
-pass over the keys, where keeping three outputs would outweigh the kernels' inputs), and a dk/dv kernel per branch with one program per key tile over the query rows
-that can see it, adding nothing atomically: the compressed keys' readers are split into chunks
-of queries (every later position reads a compressed key), as are the readers of the initial fine
-block, and the chunks' partial sums are added in a fixed order. The freely chosen blocks' dk/dv
-walk the (query, slot) pairs that chose each block through a reverse index, a tile of 64 rows at
-a time (Flash Sparse Attention's order).
+pass over the keys, where keeping three outputs would outweigh the kernels' inputs), and a dk/dv
+kernel per branch with one program per key tile over the query rows that can see it, adding
+nothing atomically: the compressed keys' readers are split into chunks of queries (every later
+position reads a compressed key), as are the readers of the initial fine block, and the chunks'
+partial sums are added in a fixed order. The freely chosen blocks' dk/dv walk the (query, slot)
+pairs that chose each block through a reverse index, a tile of 64 rows at a time (Flash Sparse
+Attention's order).
 
 Rotary positions (selected and window branches) and the gates are applied inside the kernels, so
 no rotated or gated copy is ever written. Softmax scale, tile shapes and masks are constexpr: no
