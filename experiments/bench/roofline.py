@@ -21,6 +21,7 @@ import torch
 
 from experiments.bench.counts import PHASES, io_bytes
 from kernels.flops import attention_flops, linear_flops
+from kernels.nsa_attention.blocks import keeps_branch_outputs
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,8 @@ def nsa_parts(setting: dict, n: int, backward: bool, glue_over_io: float, elemen
     parts = [projections, Part("compressor", compressor_flops, compressor_bytes * scale)]
     work, pairs = branch_work(setting, n, element), branch_pairs(setting, n)
     # where the branches' outputs outweigh the kernels' inputs, the backward recomputes rowsum(dO * O):
-    # q.k and dp once more over the same pairs (kernels/nsa_attention/triton.py keeps_outputs)
-    kept = 3 * h * d * n <= h * d * n + branches * 2 * kv * d * n + 2 * kv * blocks * d
+    # q.k and dp once more over the same pairs
+    kept = keeps_branch_outputs(h * d * n, h * d * n + branches * 2 * kv * d * n + 2 * kv * blocks * d)
     for name in ("compressed", "selected", "window"):
         flops, moved = work[name]
         flops += attention_flops(pairs[name], h, d, backward=True) * (1 if kept else 7 / 5) if backward else 0

@@ -1,7 +1,7 @@
 """Which keys NSA's selected branch and sliding window reach, as rules on positions: the forced
 fine blocks (own, initial, previous: as many as num_fine_selected allows, in that priority), the
 free choice by importance, the window, and these as key spans for the span-attention CPU kernel;
-and which compressed blocks a position sees.
+and which compressed blocks a position sees; and what the fused kernels keep for the backward.
 Every path (naive, torch, C, Triton) states the same rules; these are the torch ones."""
 
 from dataclasses import dataclass
@@ -15,6 +15,16 @@ from torch import Tensor
 def compressed_blocks(seq: int, block: int, stride: int) -> int:
     """How many compressed blocks (`block` tokens every `stride`) `seq` tokens complete."""
     return max(0, (seq - block) // stride + 1)
+
+
+def keeps_branch_outputs(query_elements: int, input_elements: int) -> bool:
+    """Whether the fused kernels keep the three branches' outputs before their gates (3x the
+    queries' elements) for the backward: only where they weigh no more than the kernels' inputs (q
+    and every branch's keys and values), so a layer never saves more than it was given. Else the dq
+    kernels recompute rowsum(dO * O) in a first pass over the keys: at the paper's GQA group of 16
+    the outputs would be 3x q against inputs of ~1.3x q, and the pass adds 2 products a pair (q.k
+    and dP) to the 7 of the dq and dk/dv kernels."""
+    return 3 * query_elements <= input_elements
 
 
 def visible_compressed(positions: Tensor, block: int, stride: int, num_blocks: Optional[int] = None) -> Tensor:

@@ -22,7 +22,7 @@ import triton
 from torch import Tensor
 
 from kernels import counters
-from kernels.nsa_attention.blocks import split_compressed, visible_compressed
+from kernels.nsa_attention.blocks import keeps_branch_outputs, split_compressed, visible_compressed
 from kernels.nsa_attention.triton_kernels import (COMPRESSED, FORCED, WINDOW, backward_dkv_kernel, backward_dq_kernel,
                                                   forward_kernel, pairs_kernel)
 from kernels.triton_tiles import tiles_usable
@@ -122,13 +122,9 @@ def flash_sparse_order(group: int, free: int) -> bool:
 
 
 def keeps_outputs(q: Tensor, *keys: Tensor) -> bool:
-    """Whether a forward for training keeps the branches' outputs before their gates (3x q) for the
-    backward: only where they weigh no more than the kernels' inputs q and `keys` (every branch's
-    keys and values), so a layer never saves more than it was given. Else the dq kernels recompute
-    rowsum(dO * O) in a first pass over the keys: at the paper's GQA group of 16 the outputs would
-    be 3x q against inputs of ~1.3x q, and the pass adds 2 products a pair (q.k and dP) to the 7 of
-    the dq and dk/dv kernels."""
-    return 3 * q.numel() <= q.numel() + sum(k.numel() for k in keys)
+    """blocks.keeps_branch_outputs for q and the kernels' other inputs `keys` (every branch's keys
+    and values)."""
+    return keeps_branch_outputs(q.numel(), q.numel() + sum(k.numel() for k in keys))
 
 
 def forward(q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor, v_win: Tensor,
@@ -308,7 +304,8 @@ def needed_pairs(mask: int, start: int, n: int, keys: int, knobs: Knobs, blocks:
     if mask == COMPRESSED:
         pairs = bh * int(visible_compressed(t, knobs.block, knobs.stride, keys).sum())
     elif mask == WINDOW:
-        pairs = bh * int((torch.minimum(t + 1, torch.tensor(keys)) - (t - knobs.window + 1).clamp(min=0)).clamp(min=0).sum())
+        reach = torch.minimum(t + 1, torch.tensor(keys)) - (t - knobs.window + 1).clamp(min=0)
+        pairs = bh * int(reach.clamp(min=0).sum())
     else:
         own = t // knobs.fine
         own_keys = t - own * knobs.fine + 1

@@ -31,7 +31,7 @@ GLUE_OVER_IO = 4.0  # glue bytes (elementwise, copies, reductions) / bytes of q,
 # 2.7 at group 2 and 2.5 at group 16 (dense: 2.3), most of it the projection's gradients gathered into one
 # tensor and its weights side by side (a weight-sized copy)
 LARGEST = "the projections' output"  # no intermediate larger: at group 16 the fused kernels keep no branch
-# output for the backward (3x q against the projections' 1.4x; kernels/nsa_attention/triton.py keeps_outputs)
+# output for the backward (3x q against the projections' 1.4x; kernels/nsa_attention/blocks.py keeps_branch_outputs)
 VISITED_OVER_NEEDED = 1.3  # per attention kernel launch: (query, key) pairs in the tiles walked / pairs the mask needs
 ROWS = 64  # query rows (positions x heads of a GQA group) per program: Hopper's tensor cores need 64
 
