@@ -1,6 +1,7 @@
 """kernels/triton_interpreter.py: Triton's interpreter patches its language once a launch, and the
 kernels compute there exactly what they compute with Triton's own patching on every helper call
-and its own int32 overflow checks (which it computes and then drops)."""
+and its own int32 overflow checks (which it computes and then drops); each launch runs in a thread
+of its own, whose page faults do not depend on the caller's depth."""
 
 import pytest
 import torch
@@ -67,3 +68,62 @@ def test_the_interpreters_own_overflow_checks_assert_nothing(monkeypatch):
     monkeypatch.setattr(interpreter.interpreter_builder, "options", interpreter.InterpreterOptions())
     assert interpreter.interpreter_builder.options.sanitize_overflow
     assert doubled(torch.tensor([2**30 + 1], dtype=torch.int32)).item() == 2 - 2**31
+
+
+def test_a_launch_runs_in_a_thread_of_its_own_and_what_it_raises_reaches_the_caller():
+    """Its frames start at the base of a fresh thread (the module says why); its effects and its
+    errors are the caller's, under no_grad and inference_mode too."""
+    import threading
+
+    import triton
+    import triton.language as tl
+
+    import kernels.triton_tiles  # noqa: F401 (quickens the interpreter on import)
+
+    @triton.jit
+    def triple_kernel(X):
+        tl.store(X, tl.load(X) * 3)
+
+    threads = []
+    triple_kernel.add_pre_run_hook(lambda *args, **kwargs: threads.append(threading.current_thread()))
+    x = torch.tensor([2], dtype=torch.int32)
+    triple_kernel[(1,)](x)
+    assert x.item() == 6 and threads and threads[0] is not threading.current_thread()
+    with torch.inference_mode():
+        y = torch.tensor([5], dtype=torch.int32)
+        triple_kernel[(1,)](y)
+    assert y.item() == 15
+    with pytest.raises(TypeError, match="takes 1 positional argument but 2 were given"):
+        triple_kernel[(1,)](x, x)
+
+
+def test_a_launchs_page_faults_do_not_depend_on_the_depth_it_is_called_from():
+    """A launch called at every depth across two of the frame stack's 16 KiB chunks: where its
+    helpers' returns crossed a chunk's start, each crossing mapped a new chunk (page faults); in a
+    thread of its own the launches fault about the same at every depth."""
+    import resource
+
+    import triton
+    import triton.language as tl
+
+    import kernels.triton_tiles  # noqa: F401
+
+    @triton.jit
+    def sums_kernel(X, N: tl.constexpr):
+        offsets = tl.arange(0, N)
+        total = tl.zeros([N], tl.float32)
+        for _ in range(64):  # many tl calls: many returns below and above the caller's depth
+            total += tl.load(X + offsets) * 2.0 + 1.0
+        tl.store(X + offsets, total)
+
+    def at_depth(depth: int) -> int:
+        if depth:
+            return at_depth(depth - 1)
+        x = torch.ones(16)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        sums_kernel[(1,)](x, 16)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    at_depth(0)  # compiled and warmed
+    faults = [at_depth(depth) for depth in range(0, 400, 8)]  # ~25 slots a frame: 10,000 slots deep
+    assert max(faults) < 200, faults
