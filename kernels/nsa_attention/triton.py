@@ -235,7 +235,9 @@ def backward(dout: Tensor, q: Tensor, kc: Tensor, vc: Tensor, k_slc: Tensor, v_s
                                      *_strides(dout), 0, n, keys, ACCUMULATE=mask != steps[0][0], COUNT=count.on,
                                      GROUP_PAD=selection["GROUP_PAD"], BLOCK_PAD=selection["BLOCK_PAD"], FSA=fsa,
                                      RECOMPUTE=not kept, **meta)
-            # recomputing, a first pass over the same pairs, and over the chosen blocks in either order
+            # recomputing, the kernel walks its pairs twice; in Flash Sparse Attention's order the freely
+            # chosen blocks' dq is not this kernel's, but its first pass still walks them (the selected
+            # branch's rowsum(dO * O) covers every key the branch attends)
             chosen_first_pass = not kept and fsa and mask == FORCED
             count.record(f"{NAMES[mask]}_backward_dq", grid, BM, meta["BN"], lambda: group * (
                 needed_pairs(mask, 0, n, keys, knobs, blocks, pass_count=1 if kept else 2, chosen=not fsa)
