@@ -53,8 +53,6 @@ from typing import Optional
 
 from experiments.config import register
 from experiments.config.checks import composition_error, flag_error
-from experiments.runtime import allocator
-from experiments.runtime.op_counts import interpret_triton_here
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 BENCH = ["model.num_tokens=256", "model.dim=256", "model.depth=4", "model.heads=4", "model.dim_head=64"]
@@ -93,6 +91,7 @@ def build(model_name: str, seq: int, threads: int, extra: list[str], device: str
     from hydra.utils import instantiate
 
     from experiments.config import register
+    from experiments.runtime import allocator
 
     register()
 
@@ -133,9 +132,10 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
     import torch
     from hydra.utils import instantiate
 
-    from experiments.data.text import ByteText
-    from experiments.runtime.run import Run
     from experiments.bench.measure import median_seconds, settled_peak_mb, synced
+    from experiments.data.text import ByteText
+    from experiments.runtime import allocator
+    from experiments.runtime.run import Run
     from experiments.runtime.throughput import (matmul_peak_flops, peak_memory_mb, reset_peak_memory,
                                                 training_flops_per_token)
 
@@ -265,8 +265,9 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
     tokens/s of one decoding step (median of `steps`), the prompt's time, and the peak memory of both."""
     import torch
 
-    from experiments.data.text import ByteText
     from experiments.bench.measure import median_seconds, synced
+    from experiments.data.text import ByteText
+    from experiments.runtime import allocator
     from experiments.runtime.throughput import peak_memory_mb, reset_peak_memory
     from models.sampling import decoding_linears
 
@@ -400,6 +401,8 @@ def main(argv=None) -> int:
     if not args.one and (problem := config_problem(args.models, args.override)):
         parser.error(problem)
     if args.count:
+        from experiments.runtime.op_counts import interpret_triton_here
+
         if device == "cpu" and (problem := interpret_triton_here()):
             parser.error(problem)
         print_step_counts(args.models, args.seq, args, device)
