@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # the smallest run that exercises every part of the loop: a "debug model" every feature test uses
@@ -69,10 +71,11 @@ def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 3
     """Run `python train.py` in `run_dir`: the tiny dense model unless `base` says otherwise.
 
     In this process (train.py's own `__main__`, as a sweep runs its jobs one after another in one
-    process), which saves a Python, torch and Hydra start (~4 s) a run; in a process of its own
-    where a run changes what a process keeps (OWN_PROCESS: the ddp and deepspeed backends' process
-    groups, trainer.compile's caches). A test of the process itself (a signal, a resource limit, an
-    import) starts one: start_train, subprocess. `timeout` binds only a run in its own process."""
+    process), which saves a Python, torch, Dynamo and Hydra start (~7 s of CPU) a run. One process
+    of ddp or DeepSpeed is a group of one, which a sweep's jobs share as these runs do. In a process
+    of its own where a run changes what a process keeps (OWN_PROCESS: trainer.compile's caches). A
+    test of the process itself (a signal, a resource limit, an import, a launcher's ranks) starts
+    one: start_train, torchrun, subprocess. `timeout` binds only a run in its own process."""
     result = train_py(f"hydra.run.dir={run_dir}", *base, *overrides, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
@@ -88,8 +91,8 @@ def train_py(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return train_here(list(args))
 
 
-# overrides whose runs leave state in a process: each runs in one of its own
-OWN_PROCESS = ("backend=ddp", "backend=deepspeed", "trainer.compile=", "--local_rank")
+# overrides whose runs leave state in a process that later runs would see: each runs in one of its own
+OWN_PROCESS = ("trainer.compile=",)
 
 
 def train_here(args: list[str]) -> subprocess.CompletedProcess:
@@ -159,6 +162,49 @@ def kill_after_first_checkpoint(run_dir: Path, *overrides: str, timeout: float =
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+# four steps of the tiny LM as ranks run them: validated at step 2, a constant rate, no clipping
+RANK_STEPS = ["trainer.max_steps=4", "trainer.validate_every=2", "schedule=constant", "trainer.clip_grad_norm=null"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(cwd, *args, nproc=2, script="train.py", timeout=240, env=None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=<nproc> <script>` of the tiny LM in `cwd`, with these overrides."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / script), *TINY_LM, *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**run_env(), **(env or {})})
+
+
+def the_one_default_run(cwd) -> Path:
+    """The run directory every rank of a torchrun in cwd wrote to, with no hydra.run.dir: there is one,
+    with rank 1's log beside rank 0's, every step of RANK_STEPS once and the run completed."""
+    runs = [p for p in (Path(cwd) / "outputs").glob("*/*") if p.is_dir()]
+    assert len(runs) == 1, runs
+    run = runs[0]
+    steps = [r["step"] for r in read_metrics(run) if "loss" in r]
+    assert steps == [1, 2, 3, 4]
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "train.rank1.log").is_file()
+    assert read_summary(run)["status"] == "completed"
+    return run
+
+
+@pytest.fixture(scope="session")
+def two_ddp_ranks(tmp_path_factory) -> Path:
+    """`torchrun --nproc_per_node=2 train.py backend=ddp` of RANK_STEPS, batch 2 a rank, in the default
+    run directory: that directory. Run once a worker for the tests that compare with it (test_distributed:
+    one process of batch 4; test_slurm: srun's two tasks), which share an xdist group, so once a suite."""
+    cwd = tmp_path_factory.mktemp("two_ddp_ranks")
+    result = torchrun(cwd, *RANK_STEPS, "backend=ddp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return the_one_default_run(cwd)
 
 
 def run_env() -> dict:

@@ -2,31 +2,16 @@
 directory for every rank, resume, the deepspeed launcher's argument, a failing rank; on one GPU (the
 gpu tier): ZeRO 0-3 against the local backend, half precision on every backend."""
 
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.helpers.runs import (ROOT, TINY, TINY_LM, kill_after_first_checkpoint, losses, read_metrics, read_summary,
-                                run_env, train, train_py)
+from tests.helpers.runs import (RANK_STEPS, TINY_LM, kill_after_first_checkpoint, losses, read_metrics, read_summary,
+                                the_one_default_run, torchrun, train, train_py, two_ddp_ranks)  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["trainer.max_steps=4", "trainer.validate_every=2", "schedule=constant", "trainer.clip_grad_norm=null"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(cwd, *args, nproc=2, script="train.py", timeout=240, env=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(ROOT / script), *TINY, "model=transformer", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**run_env(), **(env or {})})
+STEPS = RANK_STEPS
 
 
 @pytest.mark.parametrize("device,stages", [("cpu", (0, 1, 2)),
@@ -54,30 +39,22 @@ def test_deepspeed_zero_stages_give_the_local_losses(tmp_path, device, stages):
     assert "initialised the model from" in (tmp_path / "from_ds" / "train.log").read_text()
 
 
+@pytest.mark.xdist_group("two_ddp_ranks")
 @pytest.mark.parametrize("accum", [1, 2], ids=["no-accumulation", "accumulation2"])
-def test_two_ddp_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path, accum):
+def test_two_ddp_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path, request, accum):
     """Without accumulation the ranks also share the default run directory (no hydra.run.dir), as
     the deepspeed ranks do below."""
-    place = [] if accum == 1 else ["hydra.run.dir=ddp"]
-    result = torchrun(tmp_path, *STEPS, "backend=ddp", "trainer.batch_size=2", f"trainer.grad_accum={accum}", *place)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ddp = the_one_default_run(tmp_path) if accum == 1 else tmp_path / "ddp"
+    if accum == 1:
+        ddp = request.getfixturevalue("two_ddp_ranks")
+    else:
+        result = torchrun(tmp_path, *STEPS, "backend=ddp", "trainer.batch_size=2", "trainer.grad_accum=2",
+                          "hydra.run.dir=ddp")
+        assert result.returncode == 0, result.stderr[-3000:]
+        ddp = tmp_path / "ddp"
     train(tmp_path / "one", *STEPS, "trainer.batch_size=4", f"trainer.grad_accum={accum}")
     assert losses(ddp) == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
     val = [r["val_loss"] for r in read_metrics(ddp) if "val_loss" in r]
     assert val == pytest.approx([r["val_loss"] for r in read_metrics(tmp_path / "one") if "val_loss" in r], rel=1e-5)
-
-
-def the_one_default_run(cwd):
-    """The run directory every rank of a torchrun in cwd wrote to, with no hydra.run.dir: there is one."""
-    runs = [p for p in (cwd / "outputs").glob("*/*") if p.is_dir()]
-    assert len(runs) == 1, runs
-    run = runs[0]
-    steps = [r["step"] for r in read_metrics(run) if "loss" in r]
-    assert steps == [1, 2, 3, 4]
-    assert (run / ".hydra" / "config.yaml").is_file() and (run / "train.rank1.log").is_file()
-    assert read_summary(run)["status"] == "completed"
-    return run
 
 
 def test_two_deepspeed_ranks_share_one_default_run_directory(tmp_path):

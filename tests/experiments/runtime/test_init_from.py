@@ -12,7 +12,8 @@ from experiments.runtime import checkpoint
 from experiments.runtime.errors import UserError
 from experiments.runtime.init_from import initialise
 from models.lm import dsa_lm, moba_lm, nsa_lm, transformer_lm
-from tests.helpers.runs import ROOT, TINY_LM, kill_after_first_checkpoint, losses, read_metrics, read_summary, train
+from tests.helpers.runs import (ROOT, TINY_LM, kill_after_first_checkpoint, losses, read_metrics, read_summary, torchrun,
+                                train)
 
 SIZE = dict(num_tokens=32, dim=32, depth=2, heads=4, dim_head=8)
 DENSE_CFG = {"_target_": "models.lm.transformer_lm", **SIZE}
@@ -226,8 +227,6 @@ def test_two_ranks_warm_up_the_indexer_alone_as_one_process_of_twice_the_batch(t
     reducer; DeepSpeed, which gives the frozen weights zero gradients and steps them, holds their
     optimizer group still (ZeRO 2: the group is a flat partition). Step 4's loss shows step 3's
     update, the first of the whole model: its optimizer state starts there on every backend."""
-    from tests.experiments.runtime.test_distributed import torchrun
-
     dense, ranks, one = tmp_path / "dense", tmp_path / "ranks", tmp_path / "one"
     train(dense, "trainer.max_steps=2")
     common = [*TINY_DSA, "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=2",

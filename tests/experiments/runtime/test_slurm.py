@@ -4,7 +4,6 @@ a sweep is one job array reviewed exactly as a local sweep, a preempted job resu
 losses and one wandb run, the Optuna preset names its best trial, and a sweep the cluster cannot run
 is refused in one line before anything is submitted."""
 
-import contextlib
 import json
 import os
 import re
@@ -16,40 +15,22 @@ from pathlib import Path
 import pytest
 
 from experiments.runtime import launch
-from tests.experiments.runtime.test_distributed import torchrun
-from tests.helpers.runs import ROOT, TINY, losses, read_metrics, read_summary, run_env, wandb_records
+from tests.helpers.runs import (RANK_STEPS, ROOT, TINY, losses, read_metrics, read_summary, run_env, train, train_py,
+                                two_ddp_ranks, wandb_records)  # noqa: F401 (the fixture)
 from tests.helpers.slurm import slurm_cluster  # noqa: F401  (the fixture)
 
 LM = [*TINY, "model=transformer"]
-STEPS = ["trainer.max_steps=4", "trainer.validate_every=2", "schedule=constant", "trainer.clip_grad_norm=null"]
+STEPS = RANK_STEPS
 # a job's CPUs on the 2-CPU test node: two jobs run at once
 ONE_CPU = "hydra.launcher.cpus_per_task=1"
 
 
-def sweep(cluster, sweep_dir: Path, *overrides: str, launcher: bool = True, timeout: float = 240,
+def sweep(cluster, sweep_dir: Path, *overrides: str, timeout: float = 240,
           env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep_dir}",
-           *(["hydra/launcher=slurm"] if launcher else []), *overrides]
+    """`python train.py -m hydra/launcher=slurm <overrides>`, submitting to `cluster` (None: none)."""
+    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep_dir}", "hydra/launcher=slurm", *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**run_env(), **(cluster.env if cluster else {}), **(env or {})})
-
-
-@contextlib.contextmanager
-def meanwhile(log: Path, *args: str):
-    """`python train.py <args>`, the run a test compares a cluster's job with, run while the block
-    runs (the job's submission, scheduling and polling leave the CPUs idle much of the time); its
-    output in `log`. Waited for at the end."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, env=run_env())
-    try:
-        yield proc
-        proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, log.read_text()[-3000:]
 
 
 def array_jobs(sweep_dir: Path) -> list[str]:
@@ -166,7 +147,8 @@ def test_gpus_asked_for_on_the_command_line_are_refused_where_there_are_none(slu
 
 
 @pytest.mark.slow
-def test_srun_two_tasks_train_one_run_as_torchrun_does(slurm_cluster, tmp_path):
+@pytest.mark.xdist_group("two_ddp_ranks")
+def test_srun_two_tasks_train_one_run_as_torchrun_does(slurm_cluster, two_ddp_ranks, tmp_path):
     """`srun --ntasks=2 python train.py backend=ddp` (and backend=deepspeed), no torchrun: one run
     directory, rank 1's log beside rank 0's, the losses of torchrun --nproc_per_node=2 of the same
     config (ddp; DeepSpeed's ZeRO 0 averages the same gradients)."""
@@ -176,17 +158,16 @@ def test_srun_two_tasks_train_one_run_as_torchrun_does(slurm_cluster, tmp_path):
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                                 env={**run_env(), **slurm_cluster.env})
         assert result.returncode == 0, result.stderr[-3000:]
-    assert torchrun(tmp_path, *STEPS, "backend=ddp", "hydra.run.dir=torchrun").returncode == 0
     for backend in ("ddp", "deepspeed"):
         run = tmp_path / backend
         assert (run / "train.log").is_file() and (run / "train.rank1.log").is_file()
         assert (run / ".hydra" / "config.yaml").is_file()
         assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]  # once each, not twice
-        assert losses(run) == pytest.approx(losses(tmp_path / "torchrun"), rel=1e-6)
+        assert losses(run) == pytest.approx(losses(two_ddp_ranks), rel=1e-6)
         summary = read_summary(run)
         assert summary["status"] == "completed" and summary["step"] == 4
-    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == sorted(p.name for p in (tmp_path / "torchrun").iterdir())
-    assert losses(tmp_path / "ddp") == losses(tmp_path / "torchrun")  # to the bit
+    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == sorted(p.name for p in two_ddp_ranks.iterdir())
+    assert losses(tmp_path / "ddp") == losses(two_ddp_ranks)  # to the bit
     assert (tmp_path / "deepspeed" / "checkpoints" / "step_0000004" / "model").is_dir()  # an engine's checkpoint
 
 
@@ -194,10 +175,10 @@ def test_srun_two_tasks_train_one_run_as_torchrun_does(slurm_cluster, tmp_path):
 def test_a_sweep_job_of_two_tasks_trains_as_two_ranks(slurm_cluster, tmp_path):
     """hydra.launcher.tasks_per_node=2 backend=ddp: each job of the sweep is one run of two ranks
     (rank 1 logging to train.rank1.log), which trains as one process of twice the batch."""
-    with meanwhile(tmp_path / "one.log", f"hydra.run.dir={tmp_path / 'one'}", *LM, *STEPS, "trainer.batch_size=4"):
-        result = sweep(slurm_cluster, tmp_path / "sweep", *LM, *STEPS, "backend=ddp", "trainer.batch_size=2",
-                       "trainer.seed=0", "hydra.launcher.tasks_per_node=2", ONE_CPU)
+    result = sweep(slurm_cluster, tmp_path / "sweep", *LM, *STEPS, "backend=ddp", "trainer.batch_size=2",
+                   "trainer.seed=0", "hydra.launcher.tasks_per_node=2", ONE_CPU)
     assert result.returncode == 0, result.stderr[-3000:]
+    train(tmp_path / "one", *STEPS, "trainer.batch_size=4")
     job = tmp_path / "sweep" / "seed=0"
     assert "step 4" in (job / "train.rank1.log").read_text()
     assert (job / "train.log").read_text().count("parameters on cpu") == 1  # rank 0's lines only
@@ -227,7 +208,7 @@ def test_a_sweep_is_one_job_array_reviewed_as_a_local_sweep(slurm_cluster, tmp_p
     on_slurm = sweep(slurm_cluster, tmp_path / "slurm", *overrides, ONE_CPU)
     assert on_slurm.returncode == 0, on_slurm.stderr[-3000:]
     assert "has no GPUs" in on_slurm.stderr and "hydra.launcher.gpus_per_node=1 -> None" in on_slurm.stderr
-    local = sweep(None, tmp_path / "local", *overrides, launcher=False)
+    local = train_py("-m", f"hydra.sweep.dir={tmp_path / 'local'}", *overrides)
     assert local.returncode == 0, local.stderr[-3000:]
 
     jobs = sorted(str(p.parent.relative_to(tmp_path / "slurm")) for p in (tmp_path / "slurm").rglob("summary.json"))
@@ -295,21 +276,21 @@ def test_a_preempted_job_resumes_in_its_directory_with_the_same_losses(slurm_clu
             time.sleep(0.05)
 
     try:
-        with meanwhile(tmp_path / "whole.log", f"hydra.run.dir={tmp_path / 'whole'}", *LM, *steps):
-            wait_for(lambda: _checkpointed_steps(job_dir), "a first checkpoint")
-            [job] = slurm_cluster.job_ids()  # the sweep's one job (not an array)
-            slurm_cluster.run("scontrol", "requeue", job)
-            _release_when_requeued(slurm_cluster, job, restarts=1)
-            wait_for(lambda: (r := _resumed_steps(job_dir)) and any(s > r[-1] for s in _checkpointed_steps(job_dir)),
-                     "a checkpoint after the first resume")
-            slurm_cluster.run("scancel", "--signal=USR2", job)
-            _release_when_requeued(slurm_cluster, job, restarts=2)
-            output, _ = proc.communicate(timeout=150)
+        wait_for(lambda: _checkpointed_steps(job_dir), "a first checkpoint")
+        [job] = slurm_cluster.job_ids()  # the sweep's one job (not an array)
+        slurm_cluster.run("scontrol", "requeue", job)
+        _release_when_requeued(slurm_cluster, job, restarts=1)
+        wait_for(lambda: (r := _resumed_steps(job_dir)) and any(s > r[-1] for s in _checkpointed_steps(job_dir)),
+                 "a checkpoint after the first resume")
+        slurm_cluster.run("scancel", "--signal=USR2", job)
+        _release_when_requeued(slurm_cluster, job, restarts=2)
+        output, _ = proc.communicate(timeout=150)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, output[-3000:]
+    train(tmp_path / "whole", *steps)  # the uninterrupted run
 
     log = (job_dir / "train.log").read_text()
     assert len(_resumed_steps(job_dir)) == 2, log[-3000:]
