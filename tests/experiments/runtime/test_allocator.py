@@ -91,19 +91,21 @@ def test_pooled_training_computes_what_the_heap_does():
     program = """
 import sys, torch
 from experiments.runtime import allocator
-assert allocator.use(sys.argv[1]) and allocator.active() == sys.argv[1]
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
-optimizer = torch.optim.AdamW(model.parameters())
-x = torch.randn(512, 256)
-for step in range(4):
-    loss = model(x).square().mean()
-    loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)
-    print(repr(loss.item()))
-stats = allocator.pool_stats()
-print(stats["reuses"] if stats else -1)
+for mode in sys.argv[1:]:  # one training in each mode, one after the other, as a sweep's jobs run
+    assert allocator.use(mode) and allocator.active() == mode
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(512, 256)
+    for step in range(4):
+        loss = model(x).square().mean()
+        loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)
+        print(repr(loss.item()))
+    stats = allocator.pool_stats()
+    print(stats["reuses"] if stats else -1)
 """
-    system, pooled = _run(program, "system"), _run(program, "pooled")
+    out = _run(program, "system", "pooled")
+    system, pooled = out[:5], out[5:]
     assert pooled[:4] == system[:4]  # the same losses, to the last bit
     assert int(pooled[4]) > 0 and int(system[4]) == -1  # the pool served blocks again; system never built it
 
