@@ -24,6 +24,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
+# Tests that share a session fixture, run on one worker under `pytest -n` so that it is built once: the
+# test cluster and the torchrun of two ddp ranks (tests/helpers/slurm.py, runs.py), the allocator's
+# baseline. Named by path here, not by xdist_group marks: pytest-xdist 3.8 groups marked tests by
+# renaming them through a field pytest 9.2 no longer reads, so its marks group nothing.
+WORKER_GROUPS = {
+    "tests/experiments/runtime/test_slurm.py::": "slurm_cluster",
+    "tests/experiments/runtime/test_distributed.py::test_two_ddp_ranks_of_batch_b_equal_one_process_of_batch_2b":
+        "slurm_cluster",
+    "tests/experiments/runtime/test_allocator.py::": "allocator",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's load scheduling (`-n`; --dist load, its default), with WORKER_GROUPS each sent
+    to one worker as a whole."""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist asked for: xdist's own
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GroupedLoad(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((group for prefix, group in WORKER_GROUPS.items() if nodeid.startswith(prefix)), nodeid)
+
+    return GroupedLoad(config, log)
+
+
 @pytest.fixture
 def compose():
     """compose(*overrides) -> the root config, composed exactly as train.py composes it."""

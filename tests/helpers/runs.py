@@ -200,8 +200,8 @@ def the_one_default_run(cwd) -> Path:
 def two_ddp_ranks(tmp_path_factory) -> Path:
     """`torchrun --nproc_per_node=2 train.py backend=ddp` of RANK_STEPS, batch 2 a rank, in the default
     run directory: that directory. Run once a worker for the tests that compare with it (test_distributed:
-    one process of batch 4; test_slurm: srun's two tasks), which share an xdist group (slurm_cluster), so
-    once a suite."""
+    one process of batch 4; test_slurm: srun's two tasks), which one worker runs (tests/conftest.py's
+    WORKER_GROUPS), so once a suite."""
     cwd = tmp_path_factory.mktemp("two_ddp_ranks")
     result = torchrun(cwd, *RANK_STEPS, "backend=ddp")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -39,7 +39,6 @@ def test_deepspeed_zero_stages_give_the_local_losses(tmp_path, device, stages):
     assert "initialised the model from" in (tmp_path / "from_ds" / "train.log").read_text()
 
 
-@pytest.mark.xdist_group("slurm_cluster")  # with test_slurm's srun test, which compares with two_ddp_ranks too
 @pytest.mark.parametrize("accum", [1, 2], ids=["no-accumulation", "accumulation2"])
 def test_two_ddp_ranks_of_batch_b_equal_one_process_of_batch_2b(tmp_path, request, accum):
     """Without accumulation the ranks also share the default run directory (no hydra.run.dir), as

@@ -19,10 +19,6 @@ from tests.helpers.runs import (RANK_STEPS, ROOT, TINY, losses, read_metrics, re
                                 two_ddp_ranks, wandb_records)  # noqa: F401 (the fixture)
 from tests.helpers.slurm import slurm_cluster  # noqa: F401  (the fixture)
 
-# one worker runs this module (pytest -n): one test cluster, started once, whose jobs have the CPUs the
-# other worker leaves; the torchrun the srun test compares with is test_distributed's (one fixture)
-pytestmark = pytest.mark.xdist_group("slurm_cluster")
-
 LM = [*TINY, "model=transformer"]
 STEPS = RANK_STEPS
 # a job's CPUs on the 2-CPU test node: two jobs run at once
