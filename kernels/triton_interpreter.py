@@ -14,7 +14,8 @@ the kernels compute is unchanged (tests/kernels/test_triton_interpreter.py, bit 
 It also stops the interpreter computing int32 overflow checks it then drops: every int32 +, - and
 * is computed again in int64 and compared with the bounds, ~40% of an NSA kernel's time there, for
 a `device_assert` that does nothing unless the options say debug, which the interpreter's never
-do. Where they do (a Triton that sets them), the checks stay.
+do. Where they do (a Triton that sets them), the checks stay. And it keeps the numpy dtype of each
+Triton dtype, which the interpreter built a table for at every lookup.
 
 And it runs each launch in a thread of its own. CPython (3.11 at least) keeps a thread's frames in
 16 KiB chunks and frees a chunk as soon as the calls return below its start, mapping a new one when
@@ -85,6 +86,7 @@ def quicken() -> bool:
     patch_once.quickened, patch_once.original = True, patch
     interpreter._patch_lang = patch_once
     _skip_unasserted_overflow_checks(interpreter)
+    _np_dtypes_looked_up_once(interpreter)
     executor = getattr(interpreter, "GridExecutor", None)
     if executor is not None:
         executor.__call__ = _in_own_thread(executor.__call__)
@@ -123,3 +125,25 @@ def _skip_unasserted_overflow_checks(interpreter) -> None:
     if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False) \
             and getattr(options, "debug", True) is False:
         builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+def _np_dtypes_looked_up_once(interpreter) -> None:
+    """The interpreter's `_get_np_dtype` builds its table of every dtype at each call, thousands of
+    times a launch (~6% of an NSA kernel's time here): the same answers, each looked up once and kept."""
+    import triton.language as tl
+
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None:
+        return
+    known = {}
+
+    def np_dtype(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(element, tl.pointer_type):  # (unhashable) an address: uint64
+            return original(element)
+        if (found := known.get(element)) is None:
+            found = known[element] = original(element)
+        return found
+
+    np_dtype.original = original
+    interpreter._get_np_dtype = np_dtype

@@ -1,7 +1,7 @@
 """kernels/triton_interpreter.py: Triton's interpreter patches its language once a launch, and the
-kernels compute there exactly what they compute with Triton's own patching on every helper call
-and its own int32 overflow checks (which it computes and then drops); each launch runs in a thread
-of its own, whose page faults do not depend on the caller's depth."""
+kernels compute there exactly what they compute with Triton's own patching on every helper call,
+its own int32 overflow checks (which it computes and then drops) and its dtype lookups; each launch
+runs in a thread of its own, whose page faults do not depend on the caller's depth."""
 
 import pytest
 import torch
@@ -39,9 +39,11 @@ def test_the_quickened_interpreter_computes_what_tritons_own_patching_does(monke
     assert launches and len(full) <= 2 * len(launches), full
 
     assert not interpreter.interpreter_builder.options.sanitize_overflow, "the overflow checks still run"
+    assert hasattr(interpreter._get_np_dtype, "original"), "the dtype table is built at every lookup"
 
     monkeypatch.setattr(interpreter, "_patch_lang", tritons)  # Triton's own: a whole patch every helper call
     monkeypatch.setattr(interpreter.interpreter_builder, "options", interpreter.InterpreterOptions())  # and checks
+    monkeypatch.setattr(interpreter, "_get_np_dtype", interpreter._get_np_dtype.original)  # and dtype lookups
     for name, want in fused_forward_and_backward().items():
         assert torch.equal(quickened[name], want), f"{name} differs"
 
