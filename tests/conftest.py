@@ -36,6 +36,7 @@ WORKER_GROUPS = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it (-p no:xdist), not called
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's load scheduling (`-n`; --dist load, its default), with WORKER_GROUPS each sent
     to one worker as a whole."""
