@@ -35,6 +35,7 @@ needs_pool = pytest.mark.skipif(allocator._glibc() is None or allocator._pool() 
 
 ACTIVATION_PAGES = 8192 * 2048 * 4 // 4096
 
+
 @functools.cache  # the system baseline, measured once for the tests that compare with it (one worker: conftest)
 def _late_step_faults(*modes: str) -> int:
     out = subprocess.run([sys.executable, "-c", STEP_FAULTS, *modes], capture_output=True, text=True, check=True)
