@@ -27,6 +27,15 @@
 
 #define QUERIES 8      /* consecutive queries scored together: each key tile loaded serves them all */
 #define ROWS_AT_ONCE 4 /* queries weighting the values together: each value row loaded serves them all */
+/* Both passes take HEADS_AT_ONCE heads of the GQA group together (their rows share the compressed
+ * keys and values) and the blocks in chunks of CHUNK where they can (the output's products, the whole
+ * backward): each chunk's keys, values and gradient rows (CHUNK * d floats each) are read from memory
+ * once for all those rows and stay in the core's caches for the products that use them. Each head's
+ * 8 rows over every visible block in turn streamed every [blocks, d] array from L3 once per product
+ * and 8 rows (at 32k tokens, 4,095 blocks: 1 MB each). */
+#define HEADS_AT_ONCE 2
+#define GROUP_ROWS (HEADS_AT_ONCE * QUERIES)
+#define CHUNK 64 /* blocks: a multiple of TILE */
 
 typedef struct {
     const float *q, *kc_t, *vc;
@@ -46,16 +55,17 @@ INLINE int64_t visible_blocks(const Problem *p, int64_t t) {
     return count < p->blocks ? count : p->blocks;
 }
 
-/* scores[r][0..hi) = scale * (q_r . key j) for QUERIES query rows at once (row stride d), so that
- * each tile of keys loaded serves several rows: one vector multiply-add per row, register and
- * dimension. The rows go in blocks whose accumulators fill half the ISA's registers (AVX-512: all 8
- * rows, one register a tile; AVX2: 4 rows, two registers a tile), the rest holding keys. */
+/* scores[r][0..hi) = scale * (q_r . key j) for nrows query rows at once (row stride d; a multiple
+ * of SCORE_ROWS, a constant after inlining), so that each tile of keys loaded serves several rows:
+ * one vector multiply-add per row, register and dimension. The rows go in blocks whose
+ * accumulators fill half the ISA's registers (AVX-512: 8 rows, one register a tile; AVX2: 4 rows,
+ * two registers a tile), the rest holding keys. Whole tiles are written: up to hi rounded up to TILE. */
 #define SCORE_ROWS (VEC_REGS / 2 / VEC_PER_TILE < QUERIES ? VEC_REGS / 2 / VEC_PER_TILE : QUERIES)
 INLINE void rows_scores(float *scores, int64_t ld, const float *q, const float *tiles, int64_t d, int64_t hi,
-                        float scale) {
+                        float scale, const int nrows) {
     for (int64_t t0 = 0; t0 < hi; t0 += TILE) {
         const float *tile = tiles + t0 * d;
-        for (int r0 = 0; r0 < QUERIES; r0 += SCORE_ROWS) {
+        for (int r0 = 0; r0 < nrows; r0 += SCORE_ROWS) {
             vec acc[SCORE_ROWS][VEC_PER_TILE];
             for (int r = 0; r < SCORE_ROWS; r++)
                 for (int x = 0; x < VEC_PER_TILE; x++) acc[r][x] = (vec){0};
@@ -72,16 +82,17 @@ INLINE void rows_scores(float *scores, int64_t ld, const float *q, const float *
     }
 }
 
-/* out[r] = inverse[r] * sum over j < count of weights[r][j] * values[j], for ROWS_AT_ONCE rows (row
- * stride ld for weights, d for out): each value row loaded serves them all, the sums in vector
- * registers (d a constant multiple of VEC after inlining), d in pieces of VALUE_REGS registers so
- * that the sums fill half the ISA's registers (AVX-512: d = 64 in one piece; AVX2: 16 floats a
- * piece). Weights past a row's own count are 0. */
+/* out[r] = inverse[r] * sum over j < count of weights[r][j] * values[j] (with add: out[r] +=), for
+ * ROWS_AT_ONCE rows (row stride ld for weights, d for out; a NULL row is skipped): each value row
+ * loaded serves them all, the sums in vector registers (d a constant multiple of VEC after
+ * inlining), d in pieces of VALUE_REGS registers so that the sums fill half the ISA's registers
+ * (AVX-512: d = 64 in one piece; AVX2: 16 floats a piece). Weights past a row's own count are 0. */
 #define VALUE_REGS (VEC_REGS / 2 / ROWS_AT_ONCE)
 /* registers x0..x0+regs of rows_weighted_values (regs a constant after inlining, so that the sums
  * are registers: a width known only at run time put them on the stack) */
 INLINE void weighted_values_piece(float *const *out, const float *weights, int64_t ld, const float *inverse,
-                                  const float *values, int64_t count, const int64_t d, int64_t x0, const int regs) {
+                                  const float *values, int64_t count, const int64_t d, int64_t x0, const int regs,
+                                  const int add) {
     vec acc[ROWS_AT_ONCE][VALUE_REGS];
     for (int r = 0; r < ROWS_AT_ONCE; r++)
         for (int x = 0; x < regs; x++) acc[r][x] = (vec){0};
@@ -94,15 +105,18 @@ INLINE void weighted_values_piece(float *const *out, const float *weights, int64
     }
     for (int r = 0; r < ROWS_AT_ONCE; r++)
         if (out[r])
-            for (int x = 0; x < regs; x++) *(vec *)(out[r] + (x0 + x) * VEC) = acc[r][x] * inverse[r];
+            for (int x = 0; x < regs; x++) {
+                vec *row = (vec *)(out[r] + (x0 + x) * VEC);
+                *row = add ? *row + acc[r][x] * inverse[r] : acc[r][x] * inverse[r];
+            }
 }
 
 INLINE void rows_weighted_values(float *const *out, const float *weights, int64_t ld, const float *inverse,
-                                 const float *values, int64_t count, const int64_t d) {
+                                 const float *values, int64_t count, const int64_t d, const int add) {
     if (d % VEC) { /* any other width: plain multiply-adds */
         for (int r = 0; r < ROWS_AT_ONCE; r++) {
             if (!out[r]) continue;
-            memset(out[r], 0, d * sizeof(float));
+            if (!add) memset(out[r], 0, d * sizeof(float));
             for (int64_t j = 0; j < count; j++) {
                 const float a = weights[r * ld + j] * inverse[r];
 #pragma omp simd
@@ -113,51 +127,66 @@ INLINE void rows_weighted_values(float *const *out, const float *weights, int64_
     }
     int64_t x0 = 0;
     for (; x0 + VALUE_REGS <= d / VEC; x0 += VALUE_REGS)
-        weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, VALUE_REGS);
-    for (; x0 < d / VEC; x0++) weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, 1);
+        weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, VALUE_REGS, add);
+    for (; x0 < d / VEC; x0++) weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, 1, add);
+}
+
+/* For the QUERIES queries from t0 of batch * kv head b and heads h0..h0+nh-1 of its group (nh <=
+ * HEADS_AT_ONCE, a constant after inlining; row i is head h0 + i / QUERIES, query t0 + i % QUERIES):
+ * probs[r][0..visible_r) += each head's softmax over the compressed blocks visible to query t0 + r
+ * (rows past the sequence repeat its last query), heads in order; with values, each head's output
+ * and log-sum-exp too. */
+INLINE void heads_probabilities(const Problem *p, int64_t b, int64_t t0, int64_t h0, const int nh,
+                                const int64_t *visible, float *scores, float *probs, float *q, const int64_t d) {
+    const int nrows = nh * QUERIES;
+    const int64_t ld = p->blocks_tiled, last = p->m - 1, most = visible[QUERIES - 1];
+    for (int i = 0; i < nrows; i++) {
+        const int64_t t = t0 + i % QUERIES < last ? t0 + i % QUERIES : last;
+        memcpy(q + i * d,
+               p->q + (b / p->heads) * p->q_b + (b % p->heads) * p->q_h + (h0 + i / QUERIES) * p->q_g + t * p->q_m,
+               d * sizeof(float));
+    }
+    rows_scores(scores, ld, q, p->kc_t + b * ld * d, d, most, p->scale, nrows);
+    float inverse[GROUP_ROWS], *out[GROUP_ROWS];
+    for (int i = 0; i < nrows; i++) {
+        const int r = i % QUERIES;
+        float *row = scores + i * ld, *sum = probs + r * ld;
+        const int64_t count = visible[r], head_row = (b * p->g + h0 + i / QUERIES) * p->m + t0 + r;
+        const int kept = p->vc && t0 + r < p->m;
+        out[i] = kept ? p->out + head_row * d : NULL;
+        for (int64_t j = count; j < most; j++) row[j] = 0.0f; /* blocks this query cannot see yet */
+        inverse[i] = 0.0f;
+        if (count == 0) {
+            if (kept) p->lse[head_row] = -INFINITY;
+            continue;
+        }
+        float total;
+        const float lse = exp_less_max(row, count, &total);
+        if (kept) p->lse[head_row] = lse;
+        inverse[i] = 1.0f / total;
+#pragma omp simd
+        for (int64_t j = 0; j < count; j++) sum[j] += row[j] * inverse[i];
+    }
+    if (!p->vc) return;
+    for (int i = 0; i < nrows; i++)
+        if (out[i]) memset(out[i], 0, d * sizeof(float));
+    const float *values = p->vc + b * p->blocks * d;
+    for (int64_t c0 = 0; c0 < most; c0 += CHUNK) {
+        const int64_t n = most - c0 < CHUNK ? most - c0 : CHUNK;
+        for (int r0 = 0; r0 < nrows; r0 += ROWS_AT_ONCE)
+            rows_weighted_values(out + r0, scores + r0 * ld + c0, ld, inverse + r0, values + c0 * d, n, d, 1);
+    }
 }
 
 /* probs[r][0..visible_r) = the group's summed softmax over the compressed blocks visible to query
- * t0 + r, for the QUERIES queries from t0 (rows past the sequence repeat its last query); with
- * values, each head's output and log-sum-exp too */
+ * t0 + r, for the QUERIES queries from t0; with values, each head's output and log-sum-exp too */
 INLINE void group_probabilities(const Problem *p, int64_t b, int64_t t0, const int64_t *visible, float *scores,
                                 float *probs, float *q, const int64_t d) {
-    const int64_t ld = p->blocks_tiled, last = p->m - 1, most = visible[QUERIES - 1];
-    const float *tiles = p->kc_t + b * p->blocks_tiled * d;
-    memset(probs, 0, QUERIES * ld * sizeof(float));
-    for (int64_t h = 0; h < p->g; h++) {
-        for (int r = 0; r < QUERIES; r++) {
-            const int64_t t = t0 + r < last ? t0 + r : last;
-            memcpy(q + r * d, p->q + (b / p->heads) * p->q_b + (b % p->heads) * p->q_h + h * p->q_g + t * p->q_m,
-                   d * sizeof(float));
-        }
-        rows_scores(scores, ld, q, tiles, d, most, p->scale);
-        float inverse[QUERIES];
-        for (int r = 0; r < QUERIES; r++) {
-            float *row = scores + r * ld, *sum = probs + r * ld;
-            const int64_t count = visible[r], head_row = (b * p->g + h) * p->m + t0 + r;
-            for (int64_t j = count; j < most; j++) row[j] = 0.0f; /* blocks this query cannot see yet */
-            inverse[r] = 0.0f;
-            if (count == 0) {
-                if (p->vc && t0 + r < p->m) p->lse[head_row] = -INFINITY;
-                continue;
-            }
-            float total;
-            const float lse = exp_less_max(row, count, &total);
-            if (p->vc && t0 + r < p->m) p->lse[head_row] = lse;
-            inverse[r] = 1.0f / total;
-#pragma omp simd
-            for (int64_t j = 0; j < count; j++) sum[j] += row[j] * inverse[r];
-        }
-        if (!p->vc) continue;
-        const float *values = p->vc + b * p->blocks * d;
-        for (int r0 = 0; r0 < QUERIES; r0 += ROWS_AT_ONCE) {
-            float *out[ROWS_AT_ONCE];
-            for (int r = 0; r < ROWS_AT_ONCE; r++)
-                out[r] = t0 + r0 + r < p->m ? p->out + ((b * p->g + h) * p->m + t0 + r0 + r) * d : NULL;
-            rows_weighted_values(out, scores + r0 * ld, ld, inverse + r0, values, most, d);
-        }
-    }
+    memset(probs, 0, QUERIES * p->blocks_tiled * sizeof(float));
+    int64_t h0 = 0;
+    for (; h0 + HEADS_AT_ONCE <= p->g; h0 += HEADS_AT_ONCE)
+        heads_probabilities(p, b, t0, h0, HEADS_AT_ONCE, visible, scores, probs, q, d);
+    for (; h0 < p->g; h0++) heads_probabilities(p, b, t0, h0, 1, visible, scores, probs, q, d);
 }
 
 /* Query t's choice from its summed probabilities over its visible blocks. */
@@ -210,9 +239,10 @@ static void *select_work(void *arg) {
     const Problem *p = work->problem;
     const int64_t fine = (p->m - 1) / p->fine_block + 1, ld = p->blocks_tiled, groups = (p->m + QUERIES - 1) / QUERIES;
     const int64_t segments_size = fine * (p->fine_block / p->unit);
-    float *scores = line_aligned((size_t)(QUERIES * (2 * ld + p->d) + segments_size + fine) * sizeof(float));
+    float *scores =
+        line_aligned((size_t)(GROUP_ROWS * (ld + p->d) + QUERIES * ld + segments_size + fine) * sizeof(float));
     if (!scores) { work->failed = 1; return NULL; }
-    float *probs = scores + QUERIES * ld, *q = probs + QUERIES * ld, *segments = q + QUERIES * p->d;
+    float *probs = scores + GROUP_ROWS * ld, *q = probs + QUERIES * ld, *segments = q + GROUP_ROWS * p->d;
     float *importance = segments + segments_size;
     for (int64_t r = work->first; r < work->last; r += work->step) {
         const int64_t b = r / groups, t0 = r % groups * QUERIES;
@@ -223,21 +253,21 @@ static void *select_work(void *arg) {
     return NULL;
 }
 
-/* acc[j] += sum over the QUERIES rows r of weights[r][j] * rows[r], for j < count (acc rows of d
+/* acc[j] += sum over the nrows rows r of weights[r][j] * rows[r], for j < count (acc rows of d
  * floats, weights with row stride ld): dkc += ds^T q and dvc += p^T dout, as a matrix product in
  * register tiles of OUTER_J accumulator rows by OUTER_X registers (half the ISA's registers;
  * AVX2: 4 rows of 16 floats, AVX-512: 4 rows of 64), each loaded and stored once per call while
- * the QUERIES rows stream past: 2 + OUTER_J loads per 2 * OUTER_J multiply-adds on AVX2, with no
+ * the nrows rows stream past: 2 + OUTER_J loads per 2 * OUTER_J multiply-adds on AVX2, with no
  * chain of adds into one register (one accumulator row at a time waited on its own adds). The
- * rows are added in their order, as one at a time would. nj, regs: constants after inlining. */
+ * rows are added in their order, as one at a time would. nj, regs, nrows: constants after inlining. */
 #define OUTER_J 4
 #define OUTER_X (VEC_REGS / 2 / OUTER_J)
 INLINE void outer_tile(float *acc, const float *weights, int64_t ld, const float *rows, int64_t j0, const int nj,
-                       const int64_t d, int64_t x0, const int regs) {
+                       const int64_t d, int64_t x0, const int regs, const int nrows) {
     vec sum[OUTER_J][OUTER_X];
     for (int jj = 0; jj < nj; jj++)
         for (int x = 0; x < regs; x++) sum[jj][x] = *(const vec *)(acc + (j0 + jj) * d + (x0 + x) * VEC);
-    for (int r = 0; r < QUERIES; r++) {
+    for (int r = 0; r < nrows; r++) {
         vec row[OUTER_X];
         for (int x = 0; x < regs; x++) row[x] = *(const vec *)(rows + r * d + (x0 + x) * VEC);
         for (int jj = 0; jj < nj; jj++) {
@@ -250,22 +280,22 @@ INLINE void outer_tile(float *acc, const float *weights, int64_t ld, const float
 }
 
 INLINE void outer_columns(float *acc, const float *weights, int64_t ld, const float *rows, int64_t count,
-                          const int64_t d, int64_t x0, const int regs) {
+                          const int64_t d, int64_t x0, const int regs, const int nrows) {
     int64_t j0 = 0;
-    for (; j0 + OUTER_J <= count; j0 += OUTER_J) outer_tile(acc, weights, ld, rows, j0, OUTER_J, d, x0, regs);
+    for (; j0 + OUTER_J <= count; j0 += OUTER_J) outer_tile(acc, weights, ld, rows, j0, OUTER_J, d, x0, regs, nrows);
     switch (count - j0) { /* the last rows, with a constant count each */
-    case 3: outer_tile(acc, weights, ld, rows, j0, 3, d, x0, regs); break;
-    case 2: outer_tile(acc, weights, ld, rows, j0, 2, d, x0, regs); break;
-    case 1: outer_tile(acc, weights, ld, rows, j0, 1, d, x0, regs); break;
+    case 3: outer_tile(acc, weights, ld, rows, j0, 3, d, x0, regs, nrows); break;
+    case 2: outer_tile(acc, weights, ld, rows, j0, 2, d, x0, regs, nrows); break;
+    case 1: outer_tile(acc, weights, ld, rows, j0, 1, d, x0, regs, nrows); break;
     default: break;
     }
 }
 
 INLINE void rows_outer_accumulate(float *acc, const float *weights, int64_t ld, const float *rows, int64_t count,
-                                  const int64_t d) {
+                                  const int64_t d, const int nrows) {
     if (d % VEC) { /* any other width: plain multiply-adds */
         for (int64_t j = 0; j < count; j++)
-            for (int r = 0; r < QUERIES; r++) {
+            for (int r = 0; r < nrows; r++) {
                 const float a = weights[r * ld + j];
 #pragma omp simd
                 for (int64_t e = 0; e < d; e++) acc[j * d + e] += a * rows[r * d + e];
@@ -273,76 +303,86 @@ INLINE void rows_outer_accumulate(float *acc, const float *weights, int64_t ld, 
         return;
     }
     int64_t x0 = 0;
-    for (; x0 + OUTER_X <= d / VEC; x0 += OUTER_X) outer_columns(acc, weights, ld, rows, count, d, x0, OUTER_X);
-    for (; x0 < d / VEC; x0++) outer_columns(acc, weights, ld, rows, count, d, x0, 1);
+    for (; x0 + OUTER_X <= d / VEC; x0 += OUTER_X) outer_columns(acc, weights, ld, rows, count, d, x0, OUTER_X, nrows);
+    for (; x0 < d / VEC; x0++) outer_columns(acc, weights, ld, rows, count, d, x0, 1, nrows);
 }
 
-/* The backward of QUERIES queries from t0 of batch * kv head b, each head of the group in turn:
- * p = exp(scale q.k - lse) over the visible blocks, dp = dout . v, ds = scale p (dp - dout . out);
- * dq = ds kc, and this thread's dkc += ds q, dvc += p dout. Rows past the sequence see no block. */
-INLINE void backward_rows_of(const Problem *p, int64_t b, int64_t t0, float *probs, float *dprobs, float *q,
-                             float *dout, int thread, const int64_t d) {
-    const int64_t ld = p->blocks_tiled;
-    int64_t visible[QUERIES];
-    for (int r = 0; r < QUERIES; r++) visible[r] = t0 + r < p->m ? visible_blocks(p, t0 + r) : 0;
-    int64_t most = 0;
-    for (int r = 0; r < QUERIES; r++) most = visible[r] > most ? visible[r] : most;
-    if (most == 0) return; /* dq stays 0 (zeroed by the caller) */
-    const int64_t last = p->m - 1;
-    float *dkc = p->dkc + (thread * p->bh + b) * p->blocks * d, *dvc = p->dvc + (thread * p->bh + b) * p->blocks * d;
-    for (int64_t h = 0; h < p->g; h++) {
-        const int64_t head = (b * p->g + h) * p->m;
-        float delta[QUERIES], lse[QUERIES];
-        for (int r = 0; r < QUERIES; r++) {
-            const int64_t t = t0 + r < last ? t0 + r : last;
-            memcpy(q + r * d, p->q + (b / p->heads) * p->q_b + (b % p->heads) * p->q_h + h * p->q_g + t * p->q_m,
-                   d * sizeof(float));
-            memcpy(dout + r * d, p->dout + (head + t) * d, d * sizeof(float));
-            const float *o = p->out_f + (head + t) * d;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t e = 0; e < d; e++) dot += dout[r * d + e] * o[e];
-            delta[r] = dot;
-            lse[r] = p->lse[head + t];
+/* The backward of QUERIES queries from t0 of batch * kv head b, for heads h0..h0+nh-1 of its group
+ * (nh <= HEADS_AT_ONCE, a constant after inlining; row i is head h0 + i / QUERIES, query
+ * t0 + i % QUERIES): p = exp(scale q.k - lse) over the visible blocks, dp = dout . v,
+ * ds = scale p (dp - dout . out); dq += ds kc, and this thread's dkc += ds q, dvc += p dout.
+ * Rows past the sequence are zeros and see no block. */
+INLINE void backward_rows_of(const Problem *p, int64_t b, int64_t t0, int64_t h0, const int nh, float *probs,
+                             float *dprobs, float *q, float *dout, int thread, const int64_t d) {
+    const int nrows = nh * QUERIES;
+    int64_t visible[GROUP_ROWS], most = 0;
+    float delta[GROUP_ROWS], lse[GROUP_ROWS];
+    float *dq[GROUP_ROWS];
+    for (int i = 0; i < nrows; i++) {
+        const int64_t t = t0 + i % QUERIES, head = (b * p->g + h0 + i / QUERIES) * p->m;
+        visible[i] = t < p->m ? visible_blocks(p, t) : 0;
+        most = visible[i] > most ? visible[i] : most;
+        dq[i] = NULL, delta[i] = 0.0f, lse[i] = 0.0f;
+        if (t >= p->m) {
+            memset(q + i * d, 0, d * sizeof(float)), memset(dout + i * d, 0, d * sizeof(float));
+            continue;
         }
-        rows_scores(probs, ld, q, p->kc_t + b * ld * d, d, most, p->scale);
-        rows_scores(dprobs, ld, dout, p->vc_t + b * ld * d, d, most, 1.0f);
-        for (int r = 0; r < QUERIES; r++) {
-            float *pr = probs + r * ld, *dr = dprobs + r * ld;
-            const int64_t count = visible[r];
-            const float top = lse[r], dot = delta[r], scale = p->scale;
+        memcpy(q + i * d,
+               p->q + (b / p->heads) * p->q_b + (b % p->heads) * p->q_h + (h0 + i / QUERIES) * p->q_g + t * p->q_m,
+               d * sizeof(float));
+        memcpy(dout + i * d, p->dout + (head + t) * d, d * sizeof(float));
+        const float *o = p->out_f + (head + t) * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t e = 0; e < d; e++) dot += dout[i * d + e] * o[e];
+        delta[i] = dot, lse[i] = p->lse[head + t], dq[i] = p->dq + (head + t) * d;
+    }
+    if (most == 0) return; /* dq stays 0 (zeroed by the caller) */
+    const int64_t ld = p->blocks_tiled;
+    const float *kc_t = p->kc_t + b * ld * d, *vc_t = p->vc_t + b * ld * d, *kc = p->kc + b * p->blocks * d;
+    float *dkc = p->dkc + (thread * p->bh + b) * p->blocks * d, *dvc = p->dvc + (thread * p->bh + b) * p->blocks * d;
+    const float ones[ROWS_AT_ONCE] = {1.0f, 1.0f, 1.0f, 1.0f};
+    for (int64_t c0 = 0; c0 < most; c0 += CHUNK) {
+        const int64_t n = most - c0 < CHUNK ? most - c0 : CHUNK;
+        rows_scores(probs, CHUNK, q, kc_t + c0 * d, d, n, p->scale, nrows);
+        rows_scores(dprobs, CHUNK, dout, vc_t + c0 * d, d, n, 1.0f, nrows);
+        for (int i = 0; i < nrows; i++) {
+            float *pr = probs + i * CHUNK, *dr = dprobs + i * CHUNK;
+            const int64_t count = visible[i] - c0 < 0 ? 0 : visible[i] - c0 < n ? visible[i] - c0 : n;
+            const float top = lse[i], dot = delta[i], scale = p->scale;
 #pragma omp simd
             for (int64_t j = 0; j < count; j++) {
                 pr[j] = exp_nonpositive(pr[j] - top);
                 dr[j] = scale * pr[j] * (dr[j] - dot);
             }
-            for (int64_t j = count; j < most; j++) pr[j] = 0.0f, dr[j] = 0.0f; /* blocks it cannot see */
+            for (int64_t j = count; j < n; j++) pr[j] = 0.0f, dr[j] = 0.0f; /* blocks it cannot see */
         }
-        for (int r0 = 0; r0 < QUERIES; r0 += ROWS_AT_ONCE) {
-            float *dq[ROWS_AT_ONCE];
-            const float ones[ROWS_AT_ONCE] = {1.0f, 1.0f, 1.0f, 1.0f};
-            for (int r = 0; r < ROWS_AT_ONCE; r++)
-                dq[r] = t0 + r0 + r < p->m ? p->dq + (head + t0 + r0 + r) * d : NULL;
-            rows_weighted_values(dq, dprobs + r0 * ld, ld, ones, p->kc + b * p->blocks * d, most, d);
-        }
-        for (int r = 0; r < QUERIES; r++) /* rows past the sequence: their (repeated) rows carry weight 0 */
-            if (t0 + r >= p->m) memset(dout + r * d, 0, d * sizeof(float)), memset(q + r * d, 0, d * sizeof(float));
-        rows_outer_accumulate(dkc, dprobs, ld, q, most, d);
-        rows_outer_accumulate(dvc, probs, ld, dout, most, d);
+        for (int r0 = 0; r0 < nrows; r0 += ROWS_AT_ONCE)
+            rows_weighted_values(dq + r0, dprobs + r0 * CHUNK, CHUNK, ones, kc + c0 * d, n, d, 1);
+        rows_outer_accumulate(dkc + c0 * d, dprobs, CHUNK, q, n, d, nrows);
+        rows_outer_accumulate(dvc + c0 * d, probs, CHUNK, dout, n, d, nrows);
     }
+}
+
+INLINE void backward_group(const Problem *p, int64_t b, int64_t t0, float *probs, float *dprobs, float *q,
+                           float *dout, int thread, const int64_t d) {
+    int64_t h0 = 0;
+    for (; h0 + HEADS_AT_ONCE <= p->g; h0 += HEADS_AT_ONCE)
+        backward_rows_of(p, b, t0, h0, HEADS_AT_ONCE, probs, dprobs, q, dout, thread, d);
+    for (; h0 < p->g; h0++) backward_rows_of(p, b, t0, h0, 1, probs, dprobs, q, dout, thread, d);
 }
 
 static void *backward_work(void *arg) {
     Work *work = arg;
     const Problem *p = work->problem;
-    const int64_t ld = p->blocks_tiled, groups = (p->m + QUERIES - 1) / QUERIES;
-    float *probs = line_aligned((size_t)(QUERIES * (2 * ld + 2 * p->d)) * sizeof(float));
+    const int64_t groups = (p->m + QUERIES - 1) / QUERIES;
+    float *probs = line_aligned((size_t)(GROUP_ROWS * (2 * CHUNK + 2 * p->d)) * sizeof(float));
     if (!probs) { work->failed = 1; return NULL; }
-    float *dprobs = probs + QUERIES * ld, *q = dprobs + QUERIES * ld, *dout = q + QUERIES * p->d;
+    float *dprobs = probs + GROUP_ROWS * CHUNK, *q = dprobs + GROUP_ROWS * CHUNK, *dout = q + GROUP_ROWS * p->d;
     for (int64_t r = work->first; r < work->last; r += work->step) {
         const int64_t b = r / groups, t0 = r % groups * QUERIES;
-        if (p->d == 64) backward_rows_of(p, b, t0, probs, dprobs, q, dout, work->thread, 64);
-        else backward_rows_of(p, b, t0, probs, dprobs, q, dout, work->thread, p->d);
+        if (p->d == 64) backward_group(p, b, t0, probs, dprobs, q, dout, work->thread, 64);
+        else backward_group(p, b, t0, probs, dprobs, q, dout, work->thread, p->d);
     }
     free(probs);
     return NULL;

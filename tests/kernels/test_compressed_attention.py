@@ -145,10 +145,17 @@ def test_cpu_selection_matches_dense_formulation(bh, g, m, d, block, stride, fin
     assert (indices[~valid] == 0).all()
 
 
+OUTPUT_CASES = SELECTION_CASES + [
+    (2, 2, 83, 64, 16, 8, 16, 3, 1),  # the default knobs with a real head width
+    (1, 2, 600, 64, 16, 8, 16, 3, 1),  # 74 blocks: the backward's chunks of 64 blocks, the last one partial
+    (1, 3, 560, 8, 16, 8, 16, 3, 1),  # 69 blocks, odd group: two heads of the group at once, then one alone
+]
+
+
 @pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")
-@pytest.mark.parametrize("bh,g,m,d,block,stride,fine,forced,free", SELECTION_CASES + [(2, 2, 83, 64, 16, 8, 16, 3, 1)],
+@pytest.mark.parametrize("bh,g,m,d,block,stride,fine,forced,free", OUTPUT_CASES,
                          ids=[f"BH{c[0]}-G{c[1]}-Q{c[2]}-D{c[3]}-l{c[4]}-d{c[5]}-f{c[6]}-F{c[7]}-n{c[8]}"
-                              for c in SELECTION_CASES + [(2, 2, 83, 64, 16, 8, 16, 3, 1)]])
+                              for c in OUTPUT_CASES])
 def test_cpu_selection_with_the_attention_output_matches_dense_attention(bh, g, m, d, block, stride, fine, forced,
                                                                          free):
     """The pass's output: its values and every gradient against the dense formulation, its choice
