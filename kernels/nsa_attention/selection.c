@@ -82,17 +82,17 @@ INLINE void rows_scores(float *scores, int64_t ld, const float *q, const float *
     }
 }
 
-/* out[r] = inverse[r] * sum over j < count of weights[r][j] * values[j] (with add: out[r] +=), for
- * ROWS_AT_ONCE rows (row stride ld for weights, d for out; a NULL row is skipped): each value row
- * loaded serves them all, the sums in vector registers (d a constant multiple of VEC after
- * inlining), d in pieces of VALUE_REGS registers so that the sums fill half the ISA's registers
- * (AVX-512: d = 64 in one piece; AVX2: 16 floats a piece). Weights past a row's own count are 0. */
+/* out[r] += inverse[r] * sum over j < count of weights[r][j] * values[j], for ROWS_AT_ONCE rows
+ * (row stride ld for weights, d for out; a NULL row is skipped; callers zero out, then add a chunk
+ * of blocks at a time): each value row loaded serves them all, the sums in vector registers (d a
+ * constant multiple of VEC after inlining), d in pieces of VALUE_REGS registers so that the sums
+ * fill half the ISA's registers (AVX-512: d = 64 in one piece; AVX2: 16 floats a piece). Weights
+ * past a row's own count are 0. */
 #define VALUE_REGS (VEC_REGS / 2 / ROWS_AT_ONCE)
 /* registers x0..x0+regs of rows_weighted_values (regs a constant after inlining, so that the sums
  * are registers: a width known only at run time put them on the stack) */
 INLINE void weighted_values_piece(float *const *out, const float *weights, int64_t ld, const float *inverse,
-                                  const float *values, int64_t count, const int64_t d, int64_t x0, const int regs,
-                                  const int add) {
+                                  const float *values, int64_t count, const int64_t d, int64_t x0, const int regs) {
     vec acc[ROWS_AT_ONCE][VALUE_REGS];
     for (int r = 0; r < ROWS_AT_ONCE; r++)
         for (int x = 0; x < regs; x++) acc[r][x] = (vec){0};
@@ -105,18 +105,14 @@ INLINE void weighted_values_piece(float *const *out, const float *weights, int64
     }
     for (int r = 0; r < ROWS_AT_ONCE; r++)
         if (out[r])
-            for (int x = 0; x < regs; x++) {
-                vec *row = (vec *)(out[r] + (x0 + x) * VEC);
-                *row = add ? *row + acc[r][x] * inverse[r] : acc[r][x] * inverse[r];
-            }
+            for (int x = 0; x < regs; x++) *(vec *)(out[r] + (x0 + x) * VEC) += acc[r][x] * inverse[r];
 }
 
 INLINE void rows_weighted_values(float *const *out, const float *weights, int64_t ld, const float *inverse,
-                                 const float *values, int64_t count, const int64_t d, const int add) {
+                                 const float *values, int64_t count, const int64_t d) {
     if (d % VEC) { /* any other width: plain multiply-adds */
         for (int r = 0; r < ROWS_AT_ONCE; r++) {
             if (!out[r]) continue;
-            if (!add) memset(out[r], 0, d * sizeof(float));
             for (int64_t j = 0; j < count; j++) {
                 const float a = weights[r * ld + j] * inverse[r];
 #pragma omp simd
@@ -127,8 +123,8 @@ INLINE void rows_weighted_values(float *const *out, const float *weights, int64_
     }
     int64_t x0 = 0;
     for (; x0 + VALUE_REGS <= d / VEC; x0 += VALUE_REGS)
-        weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, VALUE_REGS, add);
-    for (; x0 < d / VEC; x0++) weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, 1, add);
+        weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, VALUE_REGS);
+    for (; x0 < d / VEC; x0++) weighted_values_piece(out, weights, ld, inverse, values, count, d, x0, 1);
 }
 
 /* For the QUERIES queries from t0 of batch * kv head b and heads h0..h0+nh-1 of its group (nh <=
@@ -174,7 +170,7 @@ INLINE void heads_probabilities(const Problem *p, int64_t b, int64_t t0, int64_t
     for (int64_t c0 = 0; c0 < most; c0 += CHUNK) {
         const int64_t n = most - c0 < CHUNK ? most - c0 : CHUNK;
         for (int r0 = 0; r0 < nrows; r0 += ROWS_AT_ONCE)
-            rows_weighted_values(out + r0, scores + r0 * ld + c0, ld, inverse + r0, values + c0 * d, n, d, 1);
+            rows_weighted_values(out + r0, scores + r0 * ld + c0, ld, inverse + r0, values + c0 * d, n, d);
     }
 }
 
@@ -358,7 +354,7 @@ INLINE void backward_rows_of(const Problem *p, int64_t b, int64_t t0, int64_t h0
             for (int64_t j = count; j < n; j++) pr[j] = 0.0f, dr[j] = 0.0f; /* blocks it cannot see */
         }
         for (int r0 = 0; r0 < nrows; r0 += ROWS_AT_ONCE)
-            rows_weighted_values(dq + r0, dprobs + r0 * CHUNK, CHUNK, ones, kc + c0 * d, n, d, 1);
+            rows_weighted_values(dq + r0, dprobs + r0 * CHUNK, CHUNK, ones, kc + c0 * d, n, d);
         rows_outer_accumulate(dkc + c0 * d, dprobs, CHUNK, q, n, d, nrows);
         rows_outer_accumulate(dvc + c0 * d, probs, CHUNK, dout, n, d, nrows);
     }
