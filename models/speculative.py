@@ -56,6 +56,16 @@ def verify(p_probs: Tensor, q_probs: list[Tensor], drafted: list[int],
     return len(drafted), int(_draw(p_probs[len(drafted)], generator))  # all accepted: a bonus token
 
 
+def verify_greedy(predicted: Tensor, drafted: list[int]) -> tuple[int, int]:
+    """`verify` at temperature 0, where p and q are one-hot: a drafted token is accepted exactly
+    when it is the target's argmax, and the token after the accepted ones is the target's argmax
+    there (the residual max(0, p - q) of a rejection is p itself). predicted [len(drafted) + 1]:
+    the target's argmax before each drafted token and after the last. No random numbers drawn."""
+    agrees = (predicted[: len(drafted)] == torch.tensor(drafted, device=predicted.device)).cumprod(0)
+    accepted = int(agrees.sum())
+    return accepted, int(predicted[accepted])
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -83,6 +93,7 @@ def _generate_row(target, draft, prompt, length, gamma, temperature, top_k, gene
     t_cache, d_cache = target.new_cache(), draft.new_cache()
     t_len = d_len = 0  # tokens of seq each cache holds
     device = prompt.device
+    greedy = temperature == 0  # one-hot distributions: the rule reduces to comparing argmaxes
     while len(seq) - start < length:
         g = min(gamma, length - (len(seq) - start) - 1)  # the round always adds one more token
         # draft g tokens, feeding the draft whatever of seq it has not seen yet
@@ -91,17 +102,22 @@ def _generate_row(target, draft, prompt, length, gamma, temperature, top_k, gene
         for _ in range(g):
             logits = draft(feed, cache=d_cache)[0, -1]
             d_len += feed.shape[1]
-            q = probabilities(logits.float(), temperature, top_k)
-            token = _draw(q, generator)
+            if greedy:  # the one-hot distribution's token, without building it
+                token = logits.argmax()
+            else:
+                q_probs.append(probabilities(logits.float(), temperature, top_k))
+                token = _draw(q_probs[-1], generator)
             drafted.append(int(token))
-            q_probs.append(q)
             feed = token.view(1, 1)
         # the target scores the unseen part of seq and every drafted token in one pass
         fresh = seq[t_len:]
         logits = target(torch.tensor([fresh + drafted], device=device), cache=t_cache)[0, len(fresh) - 1 :]
         t_len += len(fresh) + g
-        p_probs = probabilities(logits.float(), temperature, top_k)  # [g + 1, vocab]
-        accepted, new_token = verify(p_probs, q_probs, drafted, generator)
+        if greedy:
+            accepted, new_token = verify_greedy(logits.argmax(-1), drafted)
+        else:
+            p_probs = probabilities(logits.float(), temperature, top_k)  # [g + 1, vocab]
+            accepted, new_token = verify(p_probs, q_probs, drafted, generator)
         if g:
             stats.accepted.append(accepted)
         committed = len(seq) + accepted  # seq before this round, plus the accepted draft tokens

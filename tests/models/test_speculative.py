@@ -5,7 +5,7 @@ import torch
 
 from models.lm import nsa_lm, transformer_lm
 from models.sampling import generate, probabilities
-from models.speculative import speculative_generate, verify
+from models.speculative import speculative_generate, verify, verify_greedy
 
 NSA_KNOBS = dict(kv_heads=1, sliding_window_size=6, compress_block_size=4, compress_stride=2, fine_block_size=4,
                  num_fine_selected=3)
@@ -58,6 +58,21 @@ def test_truncated_cache_continues_like_a_fresh_one(model):
     other = torch.randint(0, 32, (1, 6))
     rolled = lm(other, cache=cache)
     torch.testing.assert_close(rolled, lm(torch.cat((x[:, :9], other), 1))[:, 9:])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_verification_is_the_rule_on_one_hot_distributions(seed):
+    """verify_greedy (argmaxes compared) gives what verify gives on the temperature-0 distributions,
+    for drafts that agree with the target for 0 to gamma tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    for gamma in (1, 3, 5):
+        logits = torch.randn(gamma + 1, 8, generator=gen, dtype=torch.float64)
+        predicted = logits.argmax(-1)
+        for agree in range(gamma + 1):
+            drafted = [int(t) for t in predicted[:agree]] + [int(predicted[i] + 1) % 8 for i in range(agree, gamma)]
+            q_probs = [torch.nn.functional.one_hot(torch.tensor(t), 8).double() for t in drafted]
+            expected = verify(probabilities(logits, 0, None), q_probs, drafted, gen)
+            assert verify_greedy(predicted, drafted) == expected == (agree, int(predicted[agree]))
 
 
 def committed_distribution(p, q, samples, seed=0):
