@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from kernels import few_row_linear
+
 
 def filter_top_k(logits: Tensor, k: Optional[int]) -> Tensor:
     """Keep the k largest logits of the last axis, -inf elsewhere (k None or >= vocab: all)."""
@@ -49,28 +51,32 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
     """Decoding multiplies each weight by one to a few vectors per step, and how fast the BLAS
     does that depends on the CPU: on an AMD EPYC MKL runs a one-row product on one core at a
     fraction of the memory bandwidth (a [2048, 512] fp32 weight streams at ~10 GB/s whatever the
-    thread count), where other CPUs run it in parallel. Inside this context, fp32 linears on the
-    CPU take, per number of rows, whichever of three paths measured fastest on this CPU for these
-    weights (`decoding_plan`):
+    thread count), where other CPUs run it in parallel, and a general matrix product packs the
+    whole weight on every call, a cost a few rows do not repay. Inside this context, fp32 linears
+    on the CPU take, per number of rows, whichever of four paths measured fastest on this CPU for
+    these weights (`decoding_plan`):
 
         plain    the usual product
         vector   weight slices [slices, out / slices, in] @ x^T, 4 slices a thread  (EPYC: ~24 GB/s at one row)
         matrix   x @ weight slices^T, a slice per thread                              (EPYC: best at 6-8 rows)
+        kernel   kernels/few_row_linear: x times w unpacked, rows by 4 outputs in registers, where a C
+                 compiler builds it (AMD EPYC Zen 5: 1.4x the best of the others at one row, 2x at 6)
 
-    The slices are views of the weight, not copies. Other dtypes and devices are left alone (the
-    half-precision product is already parallel). `plan` ({bucket's rows: path}) skips the
-    measurement. Inside an enclosing context, the linears it patched keep its plan."""
+    The slices are views of the weight, not copies; a linear a path cannot serve (slices need
+    out divisible by 4 x threads) takes the plain product. Other dtypes and devices are left
+    alone (the half-precision product is already parallel). `plan` ({bucket's rows: path}) skips
+    the measurement. Inside an enclosing context, the linears it patched keep its plan."""
     threads = torch.get_num_threads()
     linears = [module for model in models for module in model.modules()
                if isinstance(module, nn.Linear) and module.weight.device.type == "cpu"
                and module.weight.dtype == torch.float32 and "forward" not in vars(module)]  # not patched already
     plan = plan or decoding_plan(linears, threads)
     patched = []
-    if any(path != "plain" for path in plan.values()):
-        for module in linears:
-            if _sliceable(module, threads):
-                module.forward = _planned_linear(module, threads, plan)
-                patched.append(module)
+    for module in linears:
+        paths = [_path(plan[rows], module, threads) for rows, _ in _BUCKETS]
+        if any(path is not _PATHS["plain"] for path in paths):
+            module.forward = _planned_linear(module, threads, paths)
+            patched.append(module)
     try:
         yield
     finally:
@@ -81,18 +87,19 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
 def decoding_plan(linears: list[nn.Linear], threads: int) -> dict[int, str]:
     """{largest rows of a bucket: the path its products take} for these fp32 linears, measured the
     first time a set of weight shapes is seen (~0.1-0.5 s) and kept for the process: each path
-    multiplies every weight in turn, so the timing sees the caches as decoding does."""
-    sliceable = [m for m in linears if _sliceable(m, threads)]
-    if threads < 2 or not sliceable:
+    multiplies every weight in turn (the plain product standing in where it cannot serve one), so
+    the timing sees the caches as decoding does."""
+    candidates = [name for name in _PATHS if any(_path(name, m, threads) is _PATHS[name] for m in linears)]
+    if candidates == ["plain"] or not linears:
         return {rows: "plain" for rows, _ in _BUCKETS}
-    key = (tuple(sorted({tuple(m.weight.shape) for m in sliceable})), threads)
+    key = (tuple(sorted({tuple(m.weight.shape) for m in linears})), threads, tuple(candidates))
     if key not in _PLANS:
-        _PLANS[key] = _measure_plan(sliceable, threads)
+        _PLANS[key] = _measure_plan(linears, threads, candidates)
     return _PLANS[key]
 
 
 def describe_plan(plan: dict[int, str]) -> str:
-    """A plan as a line: "1 row vector, 2-4 rows vector, 5-16 rows matrix"."""
+    """A plan as a line: "1 row kernel, 2-4 rows kernel, 5-16 rows matrix"."""
     low, names = 1, []
     for rows, _ in _BUCKETS:
         names.append(f"{low} row {plan[rows]}" if rows == 1 else f"{low}-{rows} rows {plan[rows]}")
@@ -100,63 +107,73 @@ def describe_plan(plan: dict[int, str]) -> str:
     return ", ".join(names)
 
 
-def _sliceable(linear: nn.Linear, threads: int) -> bool:
-    return threads > 1 and linear.out_features % (4 * threads) == 0
+def _path(name: str, linear: nn.Linear, threads: int):
+    """The product `name` names, or the plain one where that path cannot serve this linear."""
+    if name in ("vector", "matrix") and not (threads > 1 and linear.out_features % (4 * threads) == 0):
+        return _PATHS["plain"]
+    if name == "kernel" and not few_row_linear.available():
+        return _PATHS["plain"]
+    return _PATHS[name]
 
 
 @torch.no_grad()
-def _measure_plan(linears: list[nn.Linear], threads: int, rounds: int = 5) -> dict[int, str]:
+def _measure_plan(linears: list[nn.Linear], threads: int, candidates: list[str], rounds: int = 5) -> dict[int, str]:
     """The fastest path per bucket: `rounds` interleaved passes over the weights, the median pass."""
-    weights = list({id(m.weight): m.weight for m in linears}.values())
+    weights = list({id(m.weight): m for m in linears}.values())
     plan = {}
     for rows, timed_rows in _BUCKETS:
-        inputs = {w.shape[1]: torch.randn(timed_rows, w.shape[1]) for w in weights}
-        times: dict[str, list[float]] = {path: [] for path in _PATHS}
+        inputs = {m.in_features: torch.randn(timed_rows, m.in_features) for m in weights}
+        times: dict[str, list[float]] = {name: [] for name in candidates}
         for _ in range(rounds + 1):  # the first round warms up
-            for path, product in _PATHS.items():
+            for name in candidates:
+                products = [(_path(name, m, threads), m.weight) for m in weights]
                 t0 = time.perf_counter()
-                for w in weights:
-                    product(inputs[w.shape[1]], w, threads)
-                times[path].append(time.perf_counter() - t0)
-        plan[rows] = min(times, key=lambda path: sorted(times[path][1:])[rounds // 2])
+                for product, w in products:
+                    product(inputs[w.shape[1]], w, None, threads)
+                times[name].append(time.perf_counter() - t0)
+        plan[rows] = min(times, key=lambda name: sorted(times[name][1:])[rounds // 2])
     return plan
 
 
-def _plain(x: Tensor, w: Tensor, threads: int) -> Tensor:
-    return nn.functional.linear(x, w)
+def _plain(x: Tensor, w: Tensor, b: Optional[Tensor], threads: int) -> Tensor:
+    return nn.functional.linear(x, w, b)
 
 
-def _vector(x: Tensor, w: Tensor, threads: int) -> Tensor:
+def _vector(x: Tensor, w: Tensor, b: Optional[Tensor], threads: int) -> Tensor:
     """x [rows, in] @ w^T as weight slices [slices, out / slices, in] times x^T -> [rows, out]."""
     slices = w.view(4 * threads, -1, w.shape[1])
     # x^T [slices, in, rows] as a transposed view: MKL's fast path (a copy with unit last stride is not)
     columns = x.t().expand(len(slices), -1, -1)
     # made row-major: a column-major output sends the next linear down MKL's slow path and
     # attention down sdpa's math path
-    return torch.bmm(slices, columns).permute(2, 0, 1).contiguous().view(x.shape[0], -1)
+    out = torch.bmm(slices, columns).permute(2, 0, 1).contiguous().view(x.shape[0], -1)
+    return out if b is None else out + b  # (baddbmm's broadcast bias is slower than this add)
 
 
-def _matrix(x: Tensor, w: Tensor, threads: int) -> Tensor:
+def _matrix(x: Tensor, w: Tensor, b: Optional[Tensor], threads: int) -> Tensor:
     """x [rows, in] @ w^T as x times weight slices^T [threads, in, out / threads] -> [rows, out]."""
     slices = w.view(threads, -1, w.shape[1]).transpose(1, 2)
-    return torch.bmm(x[None].expand(threads, -1, -1), slices).transpose(0, 1).reshape(x.shape[0], -1)
+    out = torch.bmm(x[None].expand(threads, -1, -1), slices).transpose(0, 1).reshape(x.shape[0], -1)
+    return out if b is None else out + b
 
 
-_PATHS = {"plain": _plain, "vector": _vector, "matrix": _matrix}
+def _kernel(x: Tensor, w: Tensor, b: Optional[Tensor], threads: int) -> Tensor:
+    return few_row_linear.few_row_linear(x, w, b, threads)
 
 
-def _planned_linear(linear: nn.Linear, threads: int, plan: dict[int, str]):
-    """linear's forward through the plan's path for its number of rows (see decoding_linears)."""
+_PATHS = {"plain": _plain, "vector": _vector, "matrix": _matrix, "kernel": _kernel}
+
+
+def _planned_linear(linear: nn.Linear, threads: int, by_rows: list):
+    """linear's forward through the product of its number of rows' bucket (see decoding_linears)."""
     w, b = linear.weight, linear.bias
-    by_rows = [_PATHS[plan[rows]] for rows, _ in _BUCKETS]
 
     def forward(x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > _FEW_ROWS or torch.is_grad_enabled():
             return nn.functional.linear(x, w, b)
         product = by_rows[0] if rows == 1 else by_rows[1] if rows <= _BUCKETS[1][0] else by_rows[2]
-        out = product(x.reshape(rows, -1), w, threads).reshape(*x.shape[:-1], -1)
-        return out if b is None else out + b  # (baddbmm's broadcast bias is slower than this add)
+        return product(x.reshape(rows, -1), w, b, threads).reshape(*x.shape[:-1], -1)
 
     return forward
 

@@ -65,9 +65,9 @@ def test_the_kernel_tests_pass_on_the_build(target):
     if missing := native.missing_features(target):
         pytest.skip(f"this CPU lacks {', '.join(missing)}: a {target} build cannot run here")
     tests = ["tests/kernels/test_span_attention.py", "tests/kernels/test_compressed_attention.py",
-             "tests/kernels/test_native.py", "tests/models/attention/test_nsa.py"]
+             "tests/kernels/test_few_row_linear.py", "tests/kernels/test_native.py", "tests/models/attention/test_nsa.py"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not triton",
-                           "-k", "cpu or span or native or tiles or selection", *tests],
+                           "-k", "cpu or span or native or tiles or selection or few_row", *tests],
                           cwd=ROOT, env={**os.environ, native.MARCH_VARIABLE: target}, capture_output=True, text=True,
                           timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

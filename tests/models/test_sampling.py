@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch import nn
 
+from kernels import few_row_linear
 from models.lm import transformer_lm
 from models import sampling
 from models.sampling import decoding_linears, decoding_plan, generate
 
-PATHS = ("plain", "vector", "matrix")
+PATHS = ("plain", "vector", "matrix", "kernel")
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +38,8 @@ def test_every_path_equals_the_plain_product(shape, bias, path):
     with torch.no_grad():
         expected = linear(x)
         with decoding_linears(linear, plan=every_bucket(path)):
-            assert ("forward" in vars(linear)) == (path != "plain")  # an all-plain plan patches nothing
+            # an all-plain plan patches nothing (nor one of a kernel that could not be built here)
+            assert ("forward" in vars(linear)) == (path != "plain" and (path != "kernel" or few_row_linear.available()))
             out = linear(x)
     assert "forward" not in vars(linear)  # nn.Linear.forward again after it
     assert out.shape == expected.shape
@@ -52,9 +54,9 @@ def test_the_plan_takes_the_path_measured_fastest_for_each_bucket(monkeypatch):
     monkeypatch.setattr(sampling, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def timed(seconds_by_rows):
-        def product(x, w, threads):
+        def product(x, w, b, threads):
             clock[0] += seconds_by_rows(x.shape[0])
-            return torch.nn.functional.linear(x, w)
+            return torch.nn.functional.linear(x, w, b)
         return product
 
     # plain is fastest for one row, vector for a few, matrix for many
@@ -88,8 +90,11 @@ def test_nested_contexts_leave_the_outer_one_in_place():
 
 def test_linears_that_cannot_be_sliced_are_left_alone():
     odd, half = nn.Linear(16, 30), nn.Linear(16, 64).half()
-    with decoding_linears(odd, half):
+    with decoding_linears(odd, half, plan=every_bucket("vector")):
         assert "forward" not in vars(odd) and "forward" not in vars(half)
+    with decoding_linears(odd, half, plan=every_bucket("kernel")):
+        assert ("forward" in vars(odd)) == few_row_linear.available()  # the kernel takes any fp32 shape
+        assert "forward" not in vars(half)
 
 
 def test_sliced_linears_keep_autograd_and_the_weights():
@@ -102,7 +107,7 @@ def test_sliced_linears_keep_autograd_and_the_weights():
     assert x.grad is not None and torch.equal(linear.weight, weight)
 
 
-@pytest.mark.parametrize("path", ["vector", "matrix", None])  # None: the plan measured here
+@pytest.mark.parametrize("path", ["vector", "matrix", "kernel", None])  # None: the plan measured here
 def test_generate_with_planned_linears_equals_module_by_module_decoding(path):
     torch.manual_seed(0)
     model = transformer_lm(num_tokens=64, dim=32, depth=2, heads=2, dim_head=16).eval()

@@ -1,0 +1,37 @@
+"""A linear layer for the few rows of a decoding step on the CPU (few_row_linear.c): x [rows, in]
+@ w [out, in]^T (+ bias) in fp32, rows 1 to ~16, without the packing of w that a general matrix
+product does on every call. Its reference is `torch.nn.functional.linear`. models/sampling.py's
+decoding_linears times it beside PyTorch's products on each CPU and takes it where it is fastest."""
+
+import ctypes
+from pathlib import Path
+from typing import Optional
+
+from torch import Tensor
+
+from kernels.native import load, pointer
+
+_SOURCE = Path(__file__).with_name("few_row_linear.c")
+_SIGNATURES = (("few_row_linear", 4, 3),)
+
+
+def _library():
+    return load(_SOURCE, _SIGNATURES)
+
+
+def available() -> bool:
+    """Whether the CPU kernel is built (or can be built) here."""
+    return _library() is not None
+
+
+def few_row_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], threads: int) -> Tensor:
+    """x [rows, in] @ weight [out, in]^T + bias [out] -> [rows, out], all fp32 on the CPU, on
+    `threads` threads; x is copied only where its rows are not contiguous."""
+    if not available():
+        raise RuntimeError("the few-row linear CPU kernel could not be built here (no working C compiler)")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    _library().few_row_linear(pointer(x), pointer(weight), pointer(bias), pointer(out), x.shape[0], weight.shape[1],
+                              weight.shape[0], ctypes.c_float(0.0), threads)
+    return out
