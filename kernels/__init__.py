@@ -1,4 +1,5 @@
-"""Attention kernels, one package each. Every package has `naive.py` (the simplest readable
+"""Attention kernels, one package each, and decoding's few-row product (few_row_linear: few_row_linear.c,
+its reference torch's linear). Every package has `naive.py` (the simplest readable
 reference) and its operator in `__init__.py`, which, where there are several paths, picks among them
 by the one rule of dispatch.py; the paths differ by package:
 

@@ -3,13 +3,12 @@
 product does on every call. Its reference is `torch.nn.functional.linear`. models/sampling.py's
 decoding_linears times it beside PyTorch's products on each CPU and takes it where it is fastest."""
 
-import ctypes
 from pathlib import Path
 from typing import Optional
 
 from torch import Tensor
 
-from kernels.native import load, pointer
+from kernels.native import load
 
 _SOURCE = Path(__file__).with_name("few_row_linear.c")
 _SIGNATURES = (("few_row_linear", 4, 3),)
@@ -26,12 +25,15 @@ def available() -> bool:
 
 def few_row_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], threads: int) -> Tensor:
     """x [rows, in] @ weight [out, in]^T + bias [out] -> [rows, out], all fp32 on the CPU, on
-    `threads` threads; x is copied only where its rows are not contiguous."""
-    if not available():
+    `threads` threads; x is copied only where its rows are not contiguous. Called per linear per
+    decoded token, so it does no more than the call: the library is looked up once, and the
+    pointers go to C as plain integers."""
+    library = _library()
+    if library is None:
         raise RuntimeError("the few-row linear CPU kernel could not be built here (no working C compiler)")
     x, weight = x.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
-    _library().few_row_linear(pointer(x), pointer(weight), pointer(bias), pointer(out), x.shape[0], weight.shape[1],
-                              weight.shape[0], ctypes.c_float(0.0), threads)
+    library.few_row_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                           x.shape[0], weight.shape[1], weight.shape[0], 0.0, threads)
     return out
