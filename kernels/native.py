@@ -35,7 +35,12 @@ def pointer(t: Optional[Tensor]):
 
 def march() -> str:
     """The target the kernels are built for: $SPARSE_ATTENTION_MARCH, or native."""
-    value = os.environ.get(MARCH_VARIABLE, "").strip() or "native"
+    return _checked_march(os.environ.get(MARCH_VARIABLE, ""))
+
+
+@lru_cache(maxsize=None)  # read on every kernel call (decoding's products: ~25 a token), checked once per value
+def _checked_march(setting: str) -> str:
+    value = setting.strip() or "native"
     if not all(c.isalnum() or c in "-_.+" for c in value):
         raise ValueError(f"{MARCH_VARIABLE}={value!r} is not a -march value (e.g. native, x86-64-v3, x86-64-v4)")
     return value
