@@ -43,7 +43,8 @@ _FEW_ROWS = 16  # decoding steps and verification passes; longer inputs (a promp
 # rows of a product -> the bucket whose measured path it takes: one row (a decoding step), a few,
 # many (a verification pass of gamma + 1 tokens); each bucket is timed at its representative rows
 _BUCKETS = ((1, 1), (4, 4), (_FEW_ROWS, 8))  # (up to rows, rows timed)
-_PLANS: dict = {}  # (weight shapes, threads) -> {bucket's rows: path}, measured once per process
+_PLANS: dict = {}  # (weight shapes, threads, paths) -> {bucket's rows: path}, measured once per process
+_PLAN_TIMES: dict = {}  # the same keys -> {bucket's rows: {path: median ms of a pass over the weights}}
 
 
 @contextlib.contextmanager
@@ -67,9 +68,7 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
     alone (the half-precision product is already parallel). `plan` ({bucket's rows: path}) skips
     the measurement. Inside an enclosing context, the linears it patched keep its plan."""
     threads = torch.get_num_threads()
-    linears = [module for model in models for module in model.modules()
-               if isinstance(module, nn.Linear) and module.weight.device.type == "cpu"
-               and module.weight.dtype == torch.float32 and "forward" not in vars(module)]  # not patched already
+    linears = [module for module in planned_linears(*models) if "forward" not in vars(module)]  # not patched already
     plan = plan or decoding_plan(linears, threads)
     patched = []
     for module in linears:
@@ -84,25 +83,50 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
             del module.forward  # back to nn.Linear.forward
 
 
+def planned_linears(*models: nn.Module) -> list[nn.Linear]:
+    """The linears of these models that decoding_linears plans: fp32, on the CPU."""
+    return [module for model in models for module in model.modules() if isinstance(module, nn.Linear)
+            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32]
+
+
 def decoding_plan(linears: list[nn.Linear], threads: int) -> dict[int, str]:
     """{largest rows of a bucket: the path its products take} for these fp32 linears, measured the
     first time a set of weight shapes is seen (~0.1-0.5 s) and kept for the process: each path
     multiplies every weight in turn (the plain product standing in where it cannot serve one), so
     the timing sees the caches as decoding does."""
-    candidates = [name for name in _PATHS if any(_path(name, m, threads) is _PATHS[name] for m in linears)]
-    if candidates == ["plain"] or not linears:
+    key = _plan_key(linears, threads)
+    if key is None:
         return {rows: "plain" for rows, _ in _BUCKETS}
-    key = (tuple(sorted({tuple(m.weight.shape) for m in linears})), threads, tuple(candidates))
     if key not in _PLANS:
-        _PLANS[key] = _measure_plan(linears, threads, candidates)
+        _PLANS[key], _PLAN_TIMES[key] = _measure_plan(linears, threads, list(key[2]))
     return _PLANS[key]
 
 
-def describe_plan(plan: dict[int, str]) -> str:
-    """A plan as a line: "1 row kernel, 2-4 rows kernel, 5-16 rows matrix"."""
+def plan_times(linears: list[nn.Linear], threads: int) -> dict[int, dict[str, float]]:
+    """What the plan of these linears was chosen from: {bucket's rows: {path: median ms of one pass
+    over the weights at the bucket's timed rows}}; {} where nothing but the plain product serves."""
+    decoding_plan(linears, threads)
+    return _PLAN_TIMES.get(_plan_key(linears, threads), {})
+
+
+def _plan_key(linears: list[nn.Linear], threads: int):
+    """The key of these linears' plan: their shapes, the threads and the paths that can serve them
+    (None where only the plain one can)."""
+    candidates = [name for name in _PATHS if any(_path(name, m, threads) is _PATHS[name] for m in linears)]
+    if candidates == ["plain"] or not linears:
+        return None
+    return tuple(sorted({tuple(m.weight.shape) for m in linears})), threads, tuple(candidates)
+
+
+def describe_plan(plan: dict[int, str], times: Optional[dict[int, dict[str, float]]] = None) -> str:
+    """A plan as a line: "1 row kernel, 2-4 rows kernel, 5-16 rows matrix", with `times` (plan_times)
+    each bucket's measured ms per path in brackets."""
     low, names = 1, []
     for rows, _ in _BUCKETS:
-        names.append(f"{low} row {plan[rows]}" if rows == 1 else f"{low}-{rows} rows {plan[rows]}")
+        name = f"{low} row {plan[rows]}" if rows == 1 else f"{low}-{rows} rows {plan[rows]}"
+        if times and rows in times:
+            name += " (" + ", ".join(f"{path} {ms:.2f}" for path, ms in times[rows].items()) + " ms)"
+        names.append(name)
         low = rows + 1
     return ", ".join(names)
 
@@ -117,10 +141,12 @@ def _path(name: str, linear: nn.Linear, threads: int):
 
 
 @torch.no_grad()
-def _measure_plan(linears: list[nn.Linear], threads: int, candidates: list[str], rounds: int = 5) -> dict[int, str]:
-    """The fastest path per bucket: `rounds` interleaved passes over the weights, the median pass."""
+def _measure_plan(linears: list[nn.Linear], threads: int, candidates: list[str],
+                  rounds: int = 5) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
+    """The fastest path per bucket, and each path's ms: `rounds` interleaved passes over the weights,
+    the median pass."""
     weights = list({id(m.weight): m for m in linears}.values())
-    plan = {}
+    plan, medians = {}, {}
     for rows, timed_rows in _BUCKETS:
         inputs = {m.in_features: torch.randn(timed_rows, m.in_features) for m in weights}
         times: dict[str, list[float]] = {name: [] for name in candidates}
@@ -131,8 +157,9 @@ def _measure_plan(linears: list[nn.Linear], threads: int, candidates: list[str],
                 for product, w in products:
                     product(inputs[w.shape[1]], w, None, threads)
                 times[name].append(time.perf_counter() - t0)
-        plan[rows] = min(times, key=lambda name: sorted(times[name][1:])[rounds // 2])
-    return plan
+        medians[rows] = {name: 1e3 * sorted(times[name][1:])[rounds // 2] for name in candidates}
+        plan[rows] = min(medians[rows], key=medians[rows].get)
+    return plan, medians
 
 
 def _plain(x: Tensor, w: Tensor, b: Optional[Tensor], threads: int) -> Tensor:

@@ -67,7 +67,7 @@ def plain(name: str, threads: int, engine: str, device: str) -> dict:
         sync(torch.device(device))
         seconds = time.perf_counter() - t0
     return {"model": name, "params": sum(p.numel() for p in model.parameters()), "tokens_per_s": LENGTH / seconds,
-            "plan": None if name == "ref" or engine != "cache" else _plan(model, threads)}
+            "plan": None if name == "ref" or engine != "cache" else _plan(threads, model)}
 
 
 def _plain_decoder(model, prompt, engine: str):
@@ -81,13 +81,12 @@ def _plain_decoder(model, prompt, engine: str):
     return lambda: greedy(decoder, prompt, LENGTH)
 
 
-def _plan(model, threads: int) -> str:
-    """The paths decoding's linears took on this CPU, as a line."""
-    from torch import nn
+def _plan(threads: int, *models) -> str:
+    """The paths decoding's linears took on this CPU, and the ms of each path they were chosen from, as a line."""
+    from models.sampling import decoding_plan, describe_plan, plan_times, planned_linears
 
-    from models.sampling import decoding_plan, describe_plan
-
-    return describe_plan(decoding_plan([m for m in model.modules() if isinstance(m, nn.Linear)], threads))
+    linears = planned_linears(*models)
+    return describe_plan(decoding_plan(linears, threads), plan_times(linears, threads))
 
 
 def speculative(run: Path, gamma: int, length: int, primes: int, temperature: float, threads: int,
@@ -124,6 +123,7 @@ def speculative(run: Path, gamma: int, length: int, primes: int, temperature: fl
     return {**costs, "plain_tokens_per_s": primes * length / plain_s, "spec_tokens_per_s": primes * length / spec_s,
             "speedup": plain_s / spec_s, "accepted_per_step": accepted, "acceptance_rate": accepted / gamma,
             "same_output": same, "same_as_cache": same_as_cache,
+            "plan": _plan(threads, target, draft) if engine == "cache" else None,
             "target_params": sum(p.numel() for p in target.parameters()),
             "draft_params": sum(p.numel() for p in draft.parameters())}
 
@@ -261,6 +261,8 @@ def main(argv=None) -> int:
                                                  if args.temperature == 0 else ""))
         if engine != "cache":
             print(f"             plain greedy output equal to the growing cache's (eager): {r['same_as_cache']}")
+        if r.get("plan"):
+            print(f"linears      {r['plan']}")
         round_ms = args.gamma * r["draft_ms"] + r["verify_ms"]
         print(f"calls        target step {r['step_ms']:.2f} ms, verification of {args.gamma + 1} tokens "
               f"{r['verify_ms']:.2f} ms ({r['verify_ms'] / r['step_ms']:.2f} steps), draft step {r['draft_ms']:.2f} ms")

@@ -65,12 +65,18 @@ def test_the_plan_takes_the_path_measured_fastest_for_each_bucket(monkeypatch):
         "vector": timed(lambda rows: 0.01 if rows == 1 else 0.0 if rows <= 4 else 0.02),
         "matrix": timed(lambda rows: 0.01 if rows <= 4 else 0.0)})
     monkeypatch.setattr(sampling, "_PLANS", {})
+    monkeypatch.setattr(sampling, "_PLAN_TIMES", {})
     linears = [nn.Linear(16, 32)]
     plan = decoding_plan(linears, 2)
     assert plan == {1: "plain", 4: "vector", 16: "matrix"}
     assert decoding_plan(linears, 2) is plan  # measured once per process for these shapes
     assert decoding_plan(linears, 1) == every_bucket("plain")  # one thread: nothing to spread
     assert sampling.describe_plan(plan) == "1 row plain, 2-4 rows vector, 5-16 rows matrix"
+    times = sampling.plan_times(linears, 2)  # what it was chosen from: ms of a pass over the one weight
+    assert times[1] == pytest.approx({"plain": 0.0, "vector": 10.0, "matrix": 10.0})
+    assert times[16] == pytest.approx({"plain": 20.0, "vector": 20.0, "matrix": 0.0})
+    assert sampling.describe_plan(plan, times).startswith("1 row plain (plain 0.00, vector 10.00, matrix 10.00 ms), ")
+    assert sampling.plan_times(linears, 1) == {}  # nothing measured where only the plain product serves
 
 
 def test_a_measured_plan_names_a_path_for_every_bucket():
