@@ -197,7 +197,9 @@ def _planned_linear(linear: nn.Linear, threads: int, by_rows: list):
 
     def forward(x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > _FEW_ROWS or torch.is_grad_enabled():
+        # autocast (trainer.precision=bf16 samples under it) computes the product in half precision:
+        # nn.Linear's own path, as for any input that is not fp32
+        if rows > _FEW_ROWS or torch.is_grad_enabled() or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
             return nn.functional.linear(x, w, b)
         product = by_rows[0] if rows == 1 else by_rows[1] if rows <= _BUCKETS[1][0] else by_rows[2]
         return product(x.reshape(rows, -1), w, b, threads).reshape(*x.shape[:-1], -1)

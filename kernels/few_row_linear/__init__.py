@@ -6,6 +6,7 @@ decoding_linears times it beside PyTorch's products on each CPU and takes it whe
 from pathlib import Path
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from kernels.native import load
@@ -28,6 +29,11 @@ def few_row_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], threads: i
     `threads` threads; x is copied only where its rows are not contiguous. Called per linear per
     decoded token, so it does no more than the call: the library is looked up once, and the
     pointers go to C as plain integers."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        # C reads and writes 4-byte floats: anything else would be misread, and its output overrun
+        raise ValueError("few_row_linear takes fp32 CPU tensors, got " +
+                         ", ".join(f"{t.dtype} on {t.device}" for t in tensors))
     library = _library()
     if library is None:
         raise RuntimeError("the few-row linear CPU kernel could not be built here (no working C compiler)")

@@ -34,3 +34,10 @@ def test_rows_that_are_a_strided_view_are_read_as_they_are():
     torch.manual_seed(0)
     x, w = torch.randn(4, 2 * 48)[:, ::2], torch.randn(12, 48)  # every other column
     torch.testing.assert_close(few_row_linear.few_row_linear(x, w, None, 2), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.float32, torch.float16)], ids=str)
+def test_anything_but_fp32_is_refused_before_c_reads_it(dtypes):
+    x, w = torch.randn(2, 16).to(dtypes[0]), torch.randn(8, 16).to(dtypes[1])
+    with pytest.raises(ValueError, match="few_row_linear takes fp32 CPU tensors"):
+        few_row_linear.few_row_linear(x, w, None, 2)

@@ -103,6 +103,26 @@ def test_linears_that_cannot_be_sliced_are_left_alone():
         assert "forward" not in vars(half)
 
 
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_under_autocast_the_planned_linears_compute_as_nn_linear(path):
+    """trainer.precision=bf16 samples under autocast: the products then run in bf16, as nn.Linear's
+    do (inputs arrive in bf16, which the fp32 paths must never read as fp32)."""
+    torch.manual_seed(0)
+    model = transformer_lm(num_tokens=64, dim=32, depth=2, heads=2, dim_head=16).eval()
+    tokens = torch.randint(0, 64, (1, 12))
+
+    def last_logits():
+        cache = model.new_cache()
+        model(tokens[:, :-1], cache=cache)
+        return model(tokens[:, -1:], cache=cache)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = last_logits()
+        with decoding_linears(model, plan=every_bucket(path)):
+            out = last_logits()
+    assert out.dtype == expected.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
 def test_sliced_linears_keep_autograd_and_the_weights():
     torch.manual_seed(0)
     linear = nn.Linear(16, 32)
