@@ -34,6 +34,9 @@ def few_row_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], threads: i
         # C reads and writes 4-byte floats: anything else would be misread, and its output overrun
         raise ValueError("few_row_linear takes fp32 CPU tensors, got " +
                          ", ".join(f"{t.dtype} on {t.device}" for t in tensors))
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
+        raise ValueError(f"few_row_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not go together")
     library = _library()
     if library is None:
         raise RuntimeError("the few-row linear CPU kernel could not be built here (no working C compiler)")

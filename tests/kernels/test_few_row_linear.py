@@ -41,3 +41,10 @@ def test_anything_but_fp32_is_refused_before_c_reads_it(dtypes):
     x, w = torch.randn(2, 16).to(dtypes[0]), torch.randn(8, 16).to(dtypes[1])
     with pytest.raises(ValueError, match="few_row_linear takes fp32 CPU tensors"):
         few_row_linear.few_row_linear(x, w, None, 2)
+
+
+def test_shapes_that_do_not_go_together_are_refused_before_c_reads_them():
+    with pytest.raises(ValueError, match="do not go together"):
+        few_row_linear.few_row_linear(torch.randn(2, 16), torch.randn(8, 15), None, 2)
+    with pytest.raises(ValueError, match="do not go together"):
+        few_row_linear.few_row_linear(torch.randn(2, 16), torch.randn(8, 16), torch.randn(7), 2)
