@@ -64,8 +64,8 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
                  compiler builds it (AMD EPYC Zen 5: 1.4x the best of the others at one row, 2x at 6)
 
     The slices are views of the weight, not copies; a linear a path cannot serve (slices need
-    out divisible by 4 x threads) takes the plain product. Other dtypes and devices are left
-    alone (the half-precision product is already parallel). `plan` ({bucket's rows: path}) skips
+    out divisible by 4 x threads) takes the plain product. Other dtypes and devices, and products
+    under autocast, are left alone (the half-precision product is already parallel). `plan` ({bucket's rows: path}) skips
     the measurement. Inside an enclosing context, the linears it patched keep its plan."""
     threads = torch.get_num_threads()
     linears = [module for module in planned_linears(*models) if "forward" not in vars(module)]  # not patched already

@@ -27,8 +27,8 @@ def available() -> bool:
 def few_row_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], threads: int) -> Tensor:
     """x [rows, in] @ weight [out, in]^T + bias [out] -> [rows, out], all fp32 on the CPU, on
     `threads` threads; x is copied only where its rows are not contiguous. Called per linear per
-    decoded token, so it does no more than the call: the library is looked up once, and the
-    pointers go to C as plain integers."""
+    decoded token, so besides the checks that keep C inside its buffers it does no more than the
+    call: the library is looked up once a call, and the pointers go to C as plain integers."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         # C reads and writes 4-byte floats: anything else would be misread, and its output overrun
