@@ -43,8 +43,9 @@ _FEW_ROWS = 16  # decoding steps and verification passes; longer inputs (a promp
 # rows of a product -> the bucket whose measured path it takes: one row (a decoding step), a few,
 # many (a verification pass of gamma + 1 tokens); each bucket is timed at its representative rows
 _BUCKETS = ((1, 1), (4, 4), (_FEW_ROWS, 8))  # (up to rows, rows timed)
-_PLANS: dict = {}  # (weight shapes, threads, paths) -> {bucket's rows: path}, measured once per process
-_PLAN_TIMES: dict = {}  # the same keys -> {bucket's rows: {path: median ms of a pass over the weights}}
+# (weight shapes, threads, paths) -> ({bucket's rows: path}, {bucket's rows: {path: median ms of a pass
+# over the weights}}), measured once per process
+_PLANS: dict = {}
 
 
 @contextlib.contextmanager
@@ -94,19 +95,22 @@ def decoding_plan(linears: list[nn.Linear], threads: int) -> dict[int, str]:
     first time a set of weight shapes is seen (~0.1-0.5 s) and kept for the process: each path
     multiplies every weight in turn (the plain product standing in where it cannot serve one), so
     the timing sees the caches as decoding does."""
-    key = _plan_key(linears, threads)
-    if key is None:
-        return {rows: "plain" for rows, _ in _BUCKETS}
-    if key not in _PLANS:
-        _PLANS[key], _PLAN_TIMES[key] = _measure_plan(linears, threads, list(key[2]))
-    return _PLANS[key]
+    return _measured_plan(linears, threads)[0]
 
 
 def plan_times(linears: list[nn.Linear], threads: int) -> dict[int, dict[str, float]]:
     """What the plan of these linears was chosen from: {bucket's rows: {path: median ms of one pass
     over the weights at the bucket's timed rows}}; {} where nothing but the plain product serves."""
-    decoding_plan(linears, threads)
-    return _PLAN_TIMES.get(_plan_key(linears, threads), {})
+    return _measured_plan(linears, threads)[1]
+
+
+def _measured_plan(linears: list[nn.Linear], threads: int) -> tuple[dict[int, str], dict[int, dict[str, float]]]:
+    key = _plan_key(linears, threads)
+    if key is None:
+        return {rows: "plain" for rows, _ in _BUCKETS}, {}
+    if key not in _PLANS:
+        _PLANS[key] = _measure_plan(linears, threads, list(key[2]))
+    return _PLANS[key]
 
 
 def _plan_key(linears: list[nn.Linear], threads: int):

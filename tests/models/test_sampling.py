@@ -65,7 +65,6 @@ def test_the_plan_takes_the_path_measured_fastest_for_each_bucket(monkeypatch):
         "vector": timed(lambda rows: 0.01 if rows == 1 else 0.0 if rows <= 4 else 0.02),
         "matrix": timed(lambda rows: 0.01 if rows <= 4 else 0.0)})
     monkeypatch.setattr(sampling, "_PLANS", {})
-    monkeypatch.setattr(sampling, "_PLAN_TIMES", {})
     linears = [nn.Linear(16, 32)]
     plan = decoding_plan(linears, 2)
     assert plan == {1: "plain", 4: "vector", 16: "matrix"}
