@@ -120,7 +120,7 @@ class MixtureOfBlockAttention(nn.Module):
             blocks[:, :, c, :scored], valid[:, :, c, :scored] = top.indices, top.values > float("-inf")
         if self.include_own_block:
             blocks = torch.cat((own.expand(b, h, m)[..., None], blocks), dim=-1)
-            valid = torch.cat((torch.ones_like(valid[..., :1]), valid), dim=-1)
+            valid = torch.cat((valid.new_ones(b, h, m, 1), valid), dim=-1)  # (valid may have no slot: top_k 1)
         return blocks, valid
 
     def _block_attention(self, q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, valid: Tensor, start: int) -> Tensor:

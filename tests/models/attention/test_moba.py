@@ -68,6 +68,7 @@ def definition(q, k, v, block, top_k, own_block):
 CASES = [  # (block_size, top_k, seq, include_own_block)
     (4, 3, 23, True),  # length not a multiple of the block
     (4, 2, 17, False),
+    (4, 1, 19, True),  # the own block alone (no block to choose)
     (12, 2, 29, True),  # a block that is no power of two: sub-blocks of 4
     (160, 2, 340, True),  # a block over 128 tokens: sub-blocks of 32 (too long for Triton's interpreter)
 ]
