@@ -2,28 +2,13 @@
 each chunk scores the keys up to its last query and keeps its top-k, so no [seq, seq] tensor
 exists, only [chunk, seq] scores (the chunk sized to a fixed number of elements)."""
 
-import sys
-
 import torch
 from torch import Tensor
 
 from kernels import at_least_fp32
+from kernels.ranking import ranking_keys
 
 _CHUNK = 1 << 22  # scored (query, head, key) products per chunk
-
-
-def ranking_keys(scores: Tensor) -> Tensor:
-    """Scores [..., n] -> int64 keys [..., n] whose order is the scores' in fp32, ties broken by
-    position, the later key first: (the score's fp32 bits as an ordered integer) * 2^32 + position.
-    One exact order for every path, so that decoding keeps the keys the parallel pass keeps even
-    where scores tie (ReLU gives many exact zeros)."""
-    bits = scores.float().view(torch.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
-    ordered = ordered.masked_fill_(ordered == -1, 0)  # -0.0 ranks as +0.0
-    positions = torch.arange(scores.shape[-1], dtype=torch.int32, device=scores.device).expand_as(ordered)
-    if sys.byteorder == "little":  # the two int32 halves written side by side: one pass, not three of int64
-        return torch.stack((positions, ordered), dim=-1).view(torch.int64).squeeze(-1)
-    return (ordered.long() << 32) | positions
 
 
 def top_keys(keys: Tensor, positions: Tensor, top_k: int) -> Tensor:
@@ -46,7 +31,7 @@ def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int) -> Tenso
         scores = (at_least_fp32(w[:, c0:c1, :, None]) * products.view(b, c1 - c0, heads, visible)).sum(2)
         positions = start + torch.arange(c0, c1, device=q.device)
         scores = scores.masked_fill(torch.arange(visible, device=q.device) > positions[:, None], float("-inf"))
-        out[:, c0:c1] = top_keys(ranking_keys(scores), positions, top_k)
+        out[:, c0:c1] = top_keys(ranking_keys(scores, later_first=True), positions, top_k)
     return out
 
 

@@ -4,8 +4,8 @@ at a time (same signature and results as reference.py).
 A program scores a tile of BLOCK_M queries against a tile of BLOCK_N keys, every indexer head in
 turn: sum_j w(t, j) * ReLU(q(t, j) . k(s)) accumulates in registers, so no [queries, heads, keys]
 product is ever written, and it stores the scores as int64 ranking keys (the fp32 score's bits as
-an ordered integer, times 2^32, plus the key's position: reference.ranking_keys), which
-torch.topk over the chunk's [chunk, keys] buffer turns into indices. Tiles wholly after their
+an ordered integer, times 2^32, plus the key's position: kernels.ranking.ranking_keys, the later key
+first), which torch.topk over the chunk's [chunk, keys] buffer turns into indices. Tiles wholly after their
 queries are not scored (their keys are the lowest). Constraints, checked before launch:
 index_dim_head a power of two from 16 to 256. Runs on CUDA tensors, or on CPU tensors under
 TRITON_INTERPRET=1 (slow: the tests use tiny shapes).

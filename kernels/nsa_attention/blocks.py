@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.ranking import ranking_keys
+
 
 def compressed_blocks(seq: int, block: int, stride: int) -> int:
     """How many compressed blocks (`block` tokens every `stride`) `seq` tokens complete."""
@@ -81,13 +83,16 @@ class BlockRules:
 
     def choose(self, importance: Tensor, first: int, free: int) -> tuple[Tensor, Tensor]:
         """The `free` most important fine blocks per (batch * kv head, position) besides the forced
-        blocks, never in the future: importance [bh, n, fine blocks] of positions first.. ->
-        scores, indices [bh, n, free] (score -inf: no block left for that slot)."""
+        blocks, never in the future, ties to the earlier block (as the C pass and the definition
+        choose): importance [bh, n, fine blocks] of positions first.. -> scores, indices [bh, n, free]
+        (score -inf: no block left for that slot)."""
         m, num_fine = importance.shape[1], importance.shape[2]
         query_pos = torch.arange(first, first + m, device=importance.device)[:, None]
         fine_start = torch.arange(num_fine, device=importance.device) * self.fine
         taken = self.forced_visible(query_pos, fine_start) | (fine_start > query_pos)
-        scores, indices = importance.masked_fill(taken, float("-inf")).topk(min(free, num_fine), dim=-1)
+        importance = importance.masked_fill(taken, float("-inf"))
+        indices = ranking_keys(importance, later_first=False).topk(min(free, num_fine), dim=-1).indices
+        scores = importance.gather(-1, indices)
         short = free - scores.shape[-1]  # early chunks have fewer blocks than later ones
         return F.pad(scores, (0, short), value=float("-inf")), F.pad(indices, (0, short))
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.nsa_attention.compressed_chunked as module
+from kernels.nsa_attention.blocks import BlockRules
 from kernels.nsa_attention.compressed import compressed_attention, cpu_compressed_selection, cpu_selection_available
 from kernels.nsa_attention.compressed_naive import compressed_attention as naive
 
@@ -221,6 +222,23 @@ def test_cpu_selection_ties_go_to_the_earlier_block():
     scores, indices = cpu_selection(q, kc, 20, 4, 4, 3, 2)
     assert indices[0, 18].tolist() == [1, 2] and scores[0, 18].tolist() == [0.0, 0.0]  # own 4, previous 3, initial 0
     assert indices[0, 14].tolist() == [1, 0] and scores[0, 14].tolist() == [0.0, float("-inf")]  # blocks 0..3
+
+
+@pytest.mark.parametrize("selected,first", [(5, 0), (4, 0), (6, 13)])
+def test_the_torch_choice_follows_the_rule_ties_included(selected, first):
+    """BlockRules.choose (the PyTorch path's) against the definition on importance full of exact ties
+    (fine blocks under the same compressed blocks are worth the same): the same blocks, the earlier
+    first among equals, as the CPU pass and naive.py choose."""
+    m, num_fine, fine = 40, 14, 4
+    importance = torch.randint(0, 3, (2, m, num_fine), generator=torch.Generator().manual_seed(0)).double()
+    rules = BlockRules(fine, selected, window=8)
+    free = rules.free(first + m)
+    scores, indices = rules.choose(importance, first, free)
+    padded = torch.cat((torch.zeros(2, first, num_fine, dtype=importance.dtype), importance), dim=1)
+    ref_scores, ref_indices = (t[:, first:] for t in choose_from_dense(padded, first + m, fine, rules.forced, free))
+    assert torch.equal(scores, ref_scores)
+    valid = ref_scores > float("-inf")
+    assert torch.equal(indices[valid], ref_indices[valid])
 
 
 @pytest.mark.skipif(not cpu_selection_available(), reason="no C compiler to build the block-selection kernel")

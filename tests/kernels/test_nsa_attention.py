@@ -20,6 +20,7 @@ CASES = [  # (seq, heads, kv_heads, dim_head, block, stride, fine, selected, win
     (24, 4, 2, 16, 4, 4, 4, 1, 5, torch.float32),  # the own block alone; blocks as long as their stride
     (26, 4, 2, 32, 8, 4, 8, 4, 6, torch.bfloat16),
     (45, 4, 2, 16, 16, 8, 8, 4, 8, torch.float32),  # compressed blocks longer than fine ones: read by two steps
+    (33, 4, 2, 16, 8, 8, 4, 5, 8, torch.float32),  # fine blocks shorter than the stride: exact ties, to the earlier
 ]
 
 

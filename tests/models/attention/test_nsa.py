@@ -133,6 +133,17 @@ def test_cpu_kernel_trains_as_the_torch_path(n, diff_topk):
     assert_trains_as_the_torch_path(knobs, "cpu", n)
 
 
+@pytest.mark.skipif(not span_attention.available(), reason="no C compiler for the CPU kernel")
+@pytest.mark.parametrize("block,stride,fine", [(8, 8, 4), (16, 8, 4)])
+def test_exact_ties_choose_the_same_blocks_on_the_cpu_kernels_and_the_torch_path(block, stride, fine):
+    """Fine blocks shorter than the compression stride are worth exactly the same (the same compressed
+    blocks cover them): both paths give the tie to the earlier block, so a training forward (the C
+    pass on the CPU) and a no-grad one or decoding (the PyTorch path) attend to the same keys."""
+    knobs = dict(dim=32, heads=4, dim_head=16, kv_heads=2, sliding_window_size=8, compress_block_size=block,
+                 compress_stride=stride, fine_block_size=fine, num_fine_selected=5)
+    assert_trains_as_the_torch_path(knobs, "cpu", 77)
+
+
 def assert_trains_as_the_torch_path(knobs: dict, kernel: str, n: int, device: str = "cpu") -> None:
     """A training forward and backward of one layer (width 32) on `kernel` gives the outputs, the
     input's and every parameter's gradients of the PyTorch path from the same weights."""
