@@ -12,8 +12,8 @@ by the one rule of dispatch.py; the paths differ by package:
 
 C files are compiled on first use by native.py, sharing native.h. Shared: native.py, triton_tiles.py
 (tile products of the Triton kernels), counters.py (what each launch walks, so a CPU can check a
-GPU's costs), flops.py, recompute.py, ranking.py (one order for top-k choices, ties included). Nothing here imports models/ or experiments/, and nothing
-imports Triton until a Triton kernel runs."""
+GPU's costs), flops.py, recompute.py, ranking.py (one order for top-k choices, ties included).
+Nothing here imports models/ or experiments/, and nothing imports Triton until a Triton kernel runs."""
 
 import torch
 
