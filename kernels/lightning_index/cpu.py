@@ -68,6 +68,10 @@ def gathered_scores(q: Tensor, k: Tensor, w: Tensor, indices: Tensor) -> Tensor:
     """Shapes and meaning as kernels.lightning_index.gathered_scores."""
     if not available():
         raise RuntimeError("the indexer's CPU kernel could not be built here (no working C compiler)")
+    b, m, heads, d = q.shape
+    if k.dim() != 3 or k.shape[0] != b or k.shape[2] != d or w.shape != (b, m, heads) or indices.shape[:2] != (b, m):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, w {tuple(w.shape)} and indices "
+                         f"{tuple(indices.shape)} do not go together")  # the kernel would read past them
     return _gathered_scores(q, k, w, indices.to(torch.int64).contiguous())
 
 
@@ -79,6 +83,8 @@ def _fp32(*tensors: Tensor) -> list[Tensor]:
 def _gathered_scores(q_in: Tensor, k_in: Tensor, w_in: Tensor, indices: Tensor) -> Tensor:
     q, k, w = _fp32(q_in, k_in, w_in)
     b, c, heads, d = q.shape
+    if indices.numel() and int(indices.max()) >= k.shape[1]:  # checked here, where torch.compile does not trace
+        raise ValueError(f"an index past the {k.shape[1]} keys")
     scores = q.new_empty(indices.shape)
     _library().gathered_scores_forward(pointer(q), pointer(k), pointer(w), pointer(indices), pointer(scores), b, c,
                                        heads, d, k.shape[1], indices.shape[-1], ctypes.c_float(0),

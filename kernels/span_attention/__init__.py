@@ -20,7 +20,7 @@ from kernels import dispatch, flops
 from kernels.native import load, pointer, row_strides, rows_as_they_lie, transposed_tiles
 
 _SOURCE = Path(__file__).with_name("span_attention.c")
-_SIGNATURES = (("span_attention_forward", 9, 16), ("span_attention_backward", 16, 18))
+_SIGNATURES = (("span_attention_forward", 9, 16), ("span_attention_backward", 16, 18), ("span_extent", 2, 3))
 # element types the kernel runs in fp32 without losing what the caller asked for
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -61,12 +61,29 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Opti
     """
     if not available():
         raise RuntimeError("the span-attention CPU kernel could not be built here (no working C compiler)")
-    if k.dim() != q.dim() - 1 or v.shape != k.shape:
-        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not go with queries {tuple(q.shape)}")
-    if phases is not None and phases.shape[0] < max(q.shape[-2], k.shape[-2]):
-        raise ValueError(f"{phases.shape[0]} rotary phases for {max(q.shape[-2], k.shape[-2])} positions")
+    _check(q, k, v, spans, weights, gate, phases)
     return _span_attention(q, k, v, spans.to(torch.int32).contiguous(), None if weights is None else weights.float(),
                            None if gate is None else gate.float(), None if phases is None else phases.float().contiguous())
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Optional[Tensor], gate: Optional[Tensor],
+           phases: Optional[Tensor]) -> None:
+    """ValueError unless the arguments' shapes go together as span_attention's docstring says: the C
+    kernel trusts every size, and would read or write past a tensor that does not fit (the spans'
+    values are checked inside the operator, which torch.compile does not trace)."""
+    if q.dim() not in (4, 5) or k.shape != v.shape or k.shape[:-2] != q.shape[:-3] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not go with queries {tuple(q.shape)}")
+    bh, (g, m, _), n = q.shape[:-3].numel(), q.shape[-3:], k.shape[-2]
+    if spans.dim() not in (3, 4) or spans.shape[-1] != 2 or spans.shape[-3] != m or \
+            (spans.dim() == 4 and spans.shape[0] != bh):
+        raise ValueError(f"spans {tuple(spans.shape)} do not go with queries {tuple(q.shape)}: [{bh}, {m}, slots, 2] "
+                         f"or [{m}, slots, 2]")
+    slots = spans.shape[-2]
+    for name, t, shape in (("weights", weights, (bh, m, slots)), ("gate", gate, (bh, g, m))):
+        if t is not None and (t.numel() != math.prod(shape) or t.shape[-2:] != shape[-2:]):
+            raise ValueError(f"{name} {tuple(t.shape)} do not go with queries {tuple(q.shape)}: {list(shape)}")
+    if phases is not None and (phases.shape[0] < max(m, n) or phases.shape[1:] != (q.shape[-1] // 2, 2)):
+        raise ValueError(f"rotary phases {tuple(phases.shape)} for {max(m, n)} positions of dim_head {q.shape[-1]}")
 
 
 @torch.library.custom_op("sparse_attention::span_attention", mutates_args=())
@@ -184,10 +201,14 @@ def _turns(phases: Tensor, seq: int) -> Tensor:
 
 
 def _shape(bh: int, g: int, m: int, d: int, n: int, spans: Tensor) -> tuple:
-    """The kernel's size arguments: bh, g, m, d, n, slots, the most keys one query sees, shared."""
-    lengths = (spans[..., 1] - spans[..., 0]).clamp(min=0).sum(-1)
-    max_keys = int(lengths.max()) if lengths.numel() else 0
-    return (bh, g, m, d, n, spans.shape[-2], max_keys, int(spans.dim() == 3))
+    """The kernel's size arguments: bh, g, m, d, n, slots, the most keys one query sees, shared;
+    ValueError where a span in use (end > start) reaches outside the n keys, which the kernel would
+    read (checked here, in the operator, where torch.compile does not trace)."""
+    slots, max_keys = spans.shape[-2], ctypes.c_int64(0)
+    rows = spans.numel() // (2 * slots) if slots else 0
+    if _library().span_extent(pointer(spans), ctypes.addressof(max_keys), rows, slots, n, ctypes.c_float(0), 1):
+        raise ValueError(f"a span reaches outside the {n} keys")
+    return (bh, g, m, d, n, slots, max_keys.value, int(spans.dim() == 3))
 
 
 def _pairs(spans: Tensor, bh: int) -> int:

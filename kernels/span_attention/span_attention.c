@@ -332,3 +332,23 @@ int span_attention_backward(const float *q, const float *k, const float *k_t, co
                  .scale = scale};
     return run_rows(&p, bh * m, threads, 0, backward_work);
 }
+
+/* The most keys one query's spans hold, into *max_keys, over `rows` rows of S spans; returns 2, and
+ * sets nothing, where a span in use (end > start) reaches outside [0, n): the kernels above trust
+ * every span and would read there. Serial: one pass over the spans, which the kernels read anyway. */
+int span_extent(const int32_t *spans, int64_t *max_keys, int64_t rows, int64_t S, int64_t n, float unused,
+                int threads) {
+    (void)unused, (void)threads;
+    int64_t most = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t keys = 0;
+        for (const int32_t *span = spans + r * S * 2, *last = span + S * 2; span < last; span += 2) {
+            if (span[1] <= span[0]) continue;
+            if (span[0] < 0 || span[1] > n) return 2;
+            keys += span[1] - span[0];
+        }
+        most = keys > most ? keys : most;
+    }
+    *max_keys = most;
+    return 0;
+}

@@ -138,3 +138,17 @@ def test_gathered_scores_are_the_definitions_at_the_chosen_keys(kernel, heads, d
         torch.library.opcheck(torch.ops.sparse_attention.gathered_index_scores.default, (*args, chosen))
         torch.library.opcheck(torch.ops.sparse_attention.gathered_index_scores_backward.default,
                               (*(t.detach() for t in args), chosen, cotangent.float()))
+
+
+@pytest.mark.skipif(not cpu_built(), reason="no C compiler to build the indexer's kernel")
+def test_gathered_scores_refuse_what_the_c_kernel_would_read_past():
+    from kernels.lightning_index import gathered_scores
+
+    q, k, w = torch.randn(2, 16, 2, 8), torch.randn(2, 16, 8), torch.randn(2, 16, 2)
+    chosen = torch.randint(0, 16, (2, 16, 4))
+    with pytest.raises(ValueError, match="do not go together"):
+        gathered_scores(q, k, w, chosen[:1, :1], "cpu")  # fewer rows than the queries
+    with pytest.raises(ValueError, match="do not go together"):
+        gathered_scores(q, k[..., :4], w, chosen, "cpu")  # narrower keys
+    with pytest.raises(ValueError, match="an index past the 16 keys"):
+        gathered_scores(q, k, w, chosen.clone().fill_(16), "cpu")

@@ -188,13 +188,27 @@ def test_views_of_one_projection_are_read_where_they_lie(threads):
         torch.set_num_threads(before)
 
 
-def test_bad_phases_and_key_shapes_are_refused():
-    q, k, v = inputs(bh=2, m=20)
+def test_arguments_that_do_not_go_together_are_refused_before_c_reads_them():
+    """The kernel trusts every size and span: each of these read or wrote past a tensor (a crash,
+    NaNs or values of 1e31) before they were refused."""
+    q, k, v = (t.float() for t in inputs(bh=2, m=20))
     spans = window_and_blocks(20, window=4, block=2)
-    with pytest.raises(ValueError, match="rotary phases"):
-        span_attention(q.float(), k.float(), v.float(), spans, phases=torch.zeros(10, 12, 2))
-    with pytest.raises(ValueError, match="do not go with"):
-        span_attention(q.float()[None], k.float(), v.float(), spans)
+    refused = {
+        "rotary phases": dict(phases=torch.zeros(10, 12, 2)),
+        "keys .* do not go with": dict(q=q[None]),
+        "keys .* do not go with ": dict(k=k[..., :8], v=v[..., :8]),  # another dim_head
+        "spans .* do not go with": dict(spans=spans[:5]),  # fewer queries
+        "spans .* do not go with ": dict(spans=spans.expand(1, -1, -1, -1)),  # fewer rows than batch_kv
+        "gate .* do not go with": dict(gate=torch.ones(1, 2, 20)),
+        "weights .* do not go with": dict(weights=torch.ones(2, 20, 2)),
+        "a span reaches outside the 20 keys": dict(spans=spans.clone().index_put_((torch.tensor(19), torch.tensor(0),
+                                                                                   torch.tensor(1)), torch.tensor(21))),
+        "a span reaches outside the 20 keys ": dict(spans=torch.tensor([[[-2, 1]]]).expand(20, 1, 2)),
+    }
+    for message, change in refused.items():
+        args = {"q": q, "k": k, "v": v, "spans": spans, **change}
+        with pytest.raises(ValueError, match=message.strip()):
+            span_attention(**args)
 
 
 @pytest.mark.parametrize("layout", ["flat", "views"])
