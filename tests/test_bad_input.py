@@ -297,8 +297,18 @@ def _foreign_newest(run: Path) -> None:
     torch.save({"weights": torch.ones(2)}, run / "checkpoints" / "step_0000003.pt")
 
 
+def _resumed_with_other_settings(run: Path) -> None:
+    """An accepted resume whose overrides differ in keys a resume may change: its .hydra files are the run's now."""
+    train(run, "trainer.max_steps=2", "trainer.log_every=2", "trainer.generate_every=0")
+
+
 REFUSALS = [
     ("another model", None, ["model.depth=2"], "model.depth differ"),
+    ("another batch and seed", None, ["trainer.batch_size=4", "trainer.seed=1"],
+     "trainer.batch_size, trainer.seed differ"),
+    ("another precision", None, ["trainer.precision=bf16"], "trainer.precision differ"),
+    ("another model after a resume with other settings", _resumed_with_other_settings, ["model.depth=2"],
+     "model.depth differ"),
     ("resume never", None, ["trainer.resume=never"], "trainer.resume=never would overwrite"),
     ("truncated newest checkpoint", _truncated_newest, ["trainer.max_steps=4"], "cannot be read"),
     ("foreign newest checkpoint", _foreign_newest, ["trainer.max_steps=4"], "not written by this project"),

@@ -132,15 +132,14 @@ class Run:
         self.accepted = True
         if not self.is_main:
             return
-        if start == 0:  # this session's config is the run's: keep it aside from Hydra's rewrites
-            self._keep_hydra_files()
+        self._keep_hydra_files()  # this session's config is the run's now: kept aside from Hydra's rewrites
         self.truncate_metrics(start)
         for leftover in [*self.dir.glob(".*.tmp"), *self.checkpoint_dir.glob(".*.tmp")]:
             leftover.unlink(missing_ok=True)
 
     def _keep_hydra_files(self) -> None:
         """Copy this session's .hydra/*.yaml aside: Hydra rewrites them on every start, even for a
-        resume that is then refused, and they must keep describing this run."""
+        resume that is then refused, which puts back those of the last session accepted."""
         hydra_dir, original = self.dir / HYDRA, self.dir / HYDRA / "original"
         if hydra_dir.is_dir():
             original.mkdir(exist_ok=True)

@@ -29,6 +29,9 @@ _SLOTS = {"model": "", "draft": "draft_", "vae": "vae_"}  # model configs and th
 
 # config sections that must match for a checkpoint to continue this run
 _RESUME_MUST_MATCH = ("model", "draft", "vae", "data", "optimizer", "schedule", "task")
+# the trainer's keys that shape the steps and what validation measures; the rest (max_steps, how often
+# to validate, log or checkpoint, threads, device, compile, ...) a resumed run may change
+_RESUME_MUST_MATCH_TRAINER = ("batch_size", "grad_accum", "seed", "precision", "clip_grad_norm", "val_batches")
 
 
 class Loop:
@@ -296,7 +299,8 @@ class Loop:
             f"{section}.{key}" for section in _RESUME_MUST_MATCH
             for key in sorted(set(saved.get(section) or {}) | set(current.get(section) or {}))
             if _comparable(saved.get(section), key) != _comparable(current.get(section), key)
-        ]
+        ] + [f"trainer.{key}" for key in _RESUME_MUST_MATCH_TRAINER
+             if _comparable(saved.get("trainer"), key) != _comparable(current.get("trainer"), key)]
         if differ and self._continues(path):
             raise UserError(
                 f"{path} was trained with a different config ({', '.join(differ)} differ), so this run "
