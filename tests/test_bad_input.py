@@ -96,6 +96,9 @@ def test_the_shipped_options_and_presets_pass(compose):
 
 COMPOSITION_CASES = [
     (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'; did you mean trainer.max_steps?"),
+    (["model=transformer", "model.kv_heads=2"], "model.kv_heads is a key of model=nsa, model=moba, model=dsa, not "
+     "of model=transformer: choose such an option"),  # not a misspelt model.heads
+    (["model=moba", "model.num_fine_selectd=2"], "did you mean model.num_fine_selected (a key of model=nsa)?"),
     (["model.depth=two"], "model.depth=two; Value 'two' of type 'str' could not be converted to Integer"),
     (["model=nope"], "Could not find 'model/nope'; Available options in 'model': dalle; dsa; dvae; moba; nsa"),
     (["trainer.precision=fp8"], "trainer.precision=fp8"),

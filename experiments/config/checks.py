@@ -146,12 +146,29 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError("; ".join(problems))
 
 
-def _close_key(section: str, key: str) -> Optional[str]:
-    """The known key of `section` (any option of its group) closest to a misspelt one."""
+def _key_hint(section: str, key: str, schema: str) -> Optional[str]:
+    """What to say of `section.key`, which the option chosen (its schema's class name) lacks: the
+    options that have it; else the key of that option closest to it (a misspelling); else the
+    closest key of another option, naming the options that have that."""
     group = {"draft": "model", "vae": "model"}.get(section, section)
-    schemas = [TrainerConfig] if section == "trainer" else list(SCHEMAS.get(group, {}).values())
-    known = {f.name for schema in schemas for f in fields(schema) if not f.name.startswith("_")}
-    return next(iter(difflib.get_close_matches(key, sorted(known), n=1)), None)
+    options = {"": TrainerConfig} if section == "trainer" else SCHEMAS.get(group, {})
+    chosen = [name for name, node in options.items() if node.__name__ == schema]
+    pick = f"model@{section}" if section in ("draft", "vae") else group  # how an option is chosen
+
+    def keys(*names: str) -> list[str]:
+        return sorted({f.name for name in names for f in fields(options[name]) if not f.name.startswith("_")})
+
+    def owners(name: str) -> str:
+        return ", ".join(f"{pick}={option}" for option in options if name in keys(option))
+
+    if chosen and owners(key):  # a key of another option, before any near miss (kv_heads is no misspelt heads)
+        return f"{section}.{key} is a key of {owners(key)}, not of {pick}={chosen[0]}: choose such an option, or leave " \
+               "the key out"
+    if close := difflib.get_close_matches(key, keys(*(chosen or options)), n=1):
+        return f"did you mean {section}.{close[0]}?"
+    if close := difflib.get_close_matches(key, keys(*options), n=1):
+        return f"did you mean {section}.{close[0]} (a key of {owners(close[0])})?"
+    return None
 
 
 def composition_error(config_dir: str, overrides: list[str]) -> Optional[str]:
@@ -171,8 +188,9 @@ def composition_error(config_dir: str, overrides: list[str]) -> Optional[str]:
         text = str(e) + (f"\n{e.__cause__}" if e.__cause__ is not None else "")
         text = re.sub(r"To append to your config use \S+", "", text.split("Config search path:")[0])
         lines = [line.strip() for line in text.splitlines() if line.strip()]
-        if (bad := re.search(r"Could not override '(\w+)\.([\w.]+)'", text)) and (close := _close_key(*bad.groups())):
-            lines.append(f"did you mean {bad.group(1)}.{close}?")
+        bad = re.search(r"Could not override '(\w+)\.([\w.]+)'.*?not in '(\w+)'", text, re.S)
+        if bad and (hint := _key_hint(*bad.groups())):
+            lines.append(hint)
         lines = [line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type="))]
         return " ".join(line if line.endswith((":", ".")) else line + ";" for line in lines).rstrip(";") + \
             " (python train.py --help lists every group, option and key)"
