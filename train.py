@@ -44,7 +44,7 @@ if __name__ == "__main__":
     import sys
     from pathlib import Path
 
-    from experiments.config.checks import composition_error
+    from experiments.config.checks import composition_error, sweep_error
     from experiments.config.resolvers import export_swept_keys
     from experiments.runtime.launch import output_dir_error, prepare_argv
 
@@ -56,8 +56,9 @@ if __name__ == "__main__":
     if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
-    # a sweep: its launcher's options (a misspelt key, a wrong type) as one line, before any job starts
-    elif launcher := [a for a in overrides if a.startswith(("hydra/launcher=", "hydra.launcher.")) and "," not in a]:
-        if error := composition_error(conf, launcher):
+    # a sweep: every job's config (its launcher's options too) composed and checked, before any job starts
+    elif {"-m", "--multirun"} & set(overrides) and all(a in ("-m", "--multirun") or not a.startswith("-")
+                                                       for a in overrides):
+        if error := sweep_error(conf, [a for a in overrides if not a.startswith("-")]):
             sys.exit(f"error: {error}")
     main()

@@ -112,6 +112,46 @@ def test_composition_errors_are_one_line(overrides, message):
     assert message in error and "\n" not in error and "+trainer" not in error  # no advice to add the typo
 
 
+SWEEP_CASES = [
+    (["model=transformer,nsa", "model.num_fine_selected=2"],
+     "the sweep's job model=transformer: Could not override 'model.num_fine_selected'"),
+    (["model.depth=two,4"], "the sweep's job model.depth=two: Error merging override model.depth=two"),
+    (["model=nsaa,transformer"], "the sweep's job model=nsaa: In 'config': Could not find 'model/nsaa'"),
+    (["model.num_fine_selected=2,0", "trainer.seed=0,1"],  # a rule of check_config
+     "the sweep's job model.num_fine_selected=0 trainer.seed=0: model.num_fine_selected=0 must be at least 1"),
+    (["trainer.max_step=5", "model.num_fine_selected=2,4"], "error: Could not override 'trainer.max_step'"),  # no job's
+    # 5 x 4 x 2 jobs, past the 16 composed one by one: each value once, beside the others' first
+    (["model.dim=16,32,64,128,256", "trainer.seed=0,1,2,3", "model.depth=1,0"],
+     "the sweep's job model.dim=16 trainer.seed=0 model.depth=0: model.depth=0 must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", SWEEP_CASES, ids=[" ".join(o) for o, _ in SWEEP_CASES])
+def test_a_sweep_with_a_job_that_cannot_run_is_one_line(overrides, message):
+    from experiments.config.checks import sweep_error
+
+    error = sweep_error(str(ROOT / "conf"), overrides)
+    assert message in f"error: {error}" and "\n" not in error
+
+
+def test_a_sweep_whose_jobs_compose_passes_and_sampled_values_are_the_sweepers():
+    from experiments.config.checks import sweep_error
+
+    assert sweep_error(str(ROOT / "conf"), ["model=nsa,moba", "model.kv_heads=2", "trainer.seed=range(0,2)",
+                                            "optimizer.lr=interval(0.0001,0.01)"]) is None
+
+
+def test_a_bad_sweep_is_refused_before_its_directory_exists(tmp_path):
+    """Not Hydra's lines from its first job, after the sweep directory was made: one line, first."""
+    result = subprocess.run([sys.executable, "train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "model.depth=two,4"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120, env=run_env())
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == ["error: the sweep's job model.depth=two: Error merging override "
+                                                  "model.depth=two; Value 'two' of type 'str' could not be converted to "
+                                                  "Integer (python train.py --help lists every group, option and key)"]
+    assert not (tmp_path / "sweep").exists()
+
+
 # ---- files the project reads -----------------------------------------------------------------------
 
 

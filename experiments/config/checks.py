@@ -174,6 +174,47 @@ def _key_hint(section: str, key: str, schema: str) -> Optional[str]:
 def composition_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     """Hydra's complaint about composing the config with `overrides` (a misspelt key or option, a value
     of the wrong type), as one line; None when it composes. Hydra would print it over several lines."""
+    failed = _first_failing(config_dir, [overrides])
+    return failed and failed[1]
+
+
+# a sweep's jobs composed one by one before any starts, at most this many (past it: each value once)
+SWEEP_JOBS_CHECKED = 16  # ~0.1 s each
+
+
+def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
+    """The first job of a sweep (`train.py -m <overrides>`) whose config does not compose or breaks a
+    rule of check_config, as one line naming its swept values; None when every job passes. Hydra would
+    stop the sweep at that job over several lines, and a job breaking a rule would be recorded failed
+    after the jobs before it had run. The jobs are every combination of the discrete sweeps (a,b,
+    range(), choice()), or past SWEEP_JOBS_CHECKED of them each value once beside the others' first;
+    a value a sweeper samples (interval()) is left to it."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    fixed, swept = [], []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if not override.is_sweep_override():
+            fixed.append(override.input_line)
+        elif override.is_discrete_sweep():
+            swept.append([f"{override.get_key_element()}={value}" for value in override.sweep_string_iterator()])
+    if math.prod(len(values) for values in swept) <= SWEEP_JOBS_CHECKED:
+        jobs = [list(job) for job in itertools.product(*swept)]
+    else:
+        firsts = [values[0] for values in swept]
+        jobs = [firsts[:i] + [value] + firsts[i + 1:] for i, values in enumerate(swept) for value in values]
+    if not (failed := _first_failing(config_dir, [[*fixed, *job] for job in jobs], check=True)):
+        return None
+    swept_values, error = failed[0][len(fixed):], failed[1]
+    if not swept_values or (_first_failing(config_dir, [fixed], check=True) or (None, None))[1] == error:
+        return error  # not the swept values' doing: as a single run says it
+    return f"the sweep's job {' '.join(swept_values)}: {error}"
+
+
+def _first_failing(config_dir: str, jobs: list[list[str]], check: bool = False) -> Optional[tuple[list[str], str]]:
+    """(overrides, one line) of the first job whose config does not compose (or, with check, breaks a
+    rule of check_config), composing them in one Hydra context; None when none fails."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -181,20 +222,30 @@ def composition_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     from experiments.config.schema import register
 
     register()  # the schemas the config names, whoever calls first
-    try:
-        with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train"):
-            compose(config_name="config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as e:
-        text = str(e) + (f"\n{e.__cause__}" if e.__cause__ is not None else "")
-        text = re.sub(r"To append to your config use \S+", "", text.split("Config search path:")[0])
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        bad = re.search(r"Could not override '(\w+)\.([\w.]+)'.*?not in '(\w+)'", text, re.S)
-        if bad and (hint := _key_hint(*bad.groups())):
-            lines.append(hint)
-        lines = [line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type="))]
-        return " ".join(line if line.endswith((":", ".")) else line + ";" for line in lines).rstrip(";") + \
-            " (python train.py --help lists every group, option and key)"
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train"):
+        for overrides in jobs:
+            try:
+                cfg = compose(config_name="config", overrides=overrides)
+                if check:
+                    check_config(cfg)
+            except (HydraException, OmegaConfBaseException) as e:
+                return overrides, _one_line(e)
+            except UserError as e:
+                return overrides, str(e)
     return None
+
+
+def _one_line(e: Exception) -> str:
+    """Hydra's multi-line complaint as one line, with a hint for a key the option chosen lacks."""
+    text = str(e) + (f"\n{e.__cause__}" if e.__cause__ is not None else "")
+    text = re.sub(r"To append to your config use \S+", "", text.split("Config search path:")[0])
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    bad = re.search(r"Could not override '(\w+)\.([\w.]+)'.*?not in '(\w+)'", text, re.S)
+    if bad and (hint := _key_hint(*bad.groups())):
+        lines.append(hint)
+    lines = [line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type="))]
+    return " ".join(line if line.endswith((":", ".")) else line + ";" for line in lines).rstrip(";") + \
+        " (python train.py --help lists every group, option and key)"
 
 
 def flag_error(flags: dict[str, tuple[str, Any]]) -> Optional[str]:
