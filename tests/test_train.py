@@ -140,7 +140,8 @@ def test_corrupt_checkpoint_is_reported_and_kept(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "step_0000005.pt").write_bytes(b"garbage")
-    assert "cannot be read" in _fails(run, "trainer.max_steps=6")
+    error = _fails(run, "trainer.max_steps=6")
+    assert "cannot be read" in error and "delete it to resume from an older checkpoint" in error
     assert (run / "checkpoints" / "step_0000005.pt").read_bytes() == b"garbage"
 
 
@@ -148,6 +149,21 @@ def test_foreign_checkpoint_is_refused(tmp_path):
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.ones(1)}, foreign)
     assert "not written by this project" in _fails(tmp_path / "run", f"trainer.resume={foreign}")
+
+
+def test_a_file_that_is_no_checkpoint_named_by_resume_is_not_to_be_deleted(tmp_path):
+    """Deleting it is advice for a run's own cut checkpoint, and torch's (load it unsafely) is none."""
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    error = _fails(tmp_path / "run", f"trainer.resume={tmp_path / 'notes.txt'}")
+    assert error.strip().endswith("it is corrupt, truncated or not a checkpoint: point trainer.resume at a run "
+                                  "directory or at one of its checkpoints/step_*.pt")
+    assert "weights_only" not in error
+
+
+def test_a_checkpoint_of_another_model_is_named_as_such(tmp_path):
+    train(tmp_path / "dense", "trainer.max_steps=1")
+    error = _fails(tmp_path / "run", f"trainer.resume={tmp_path / 'dense'}", "model=nsa", "model.kv_heads=1")
+    assert "its model is not this run's model (missing: " in error and "trainer.init_from" in error
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ A checkpoint is a plain dict of tensors, numbers and strings:
      "data_fingerprint", "wall_s", ...task extras}
 """
 
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -61,14 +62,16 @@ def load(path: Path, map_location: str | torch.device = "cpu", key: str = "train
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        advice = ("point trainer.init_from at a run directory or at one of its checkpoints/step_*.pt"
-                  if key == "trainer.init_from" else
-                  "delete it to resume from an older checkpoint, or start afresh with trainer.resume=never in a "
-                  "new hydra.run.dir")
-        raise UserError(
-            f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}). "
-            f"It is corrupt, truncated or not a torch file: {advice}"
-        ) from None
+        # torch's own words, cut before its advice (which is to load the file unsafely)
+        why = ("torch's safe loader refuses it" if isinstance(e, pickle.UnpicklingError) else
+               f"{type(e).__name__}: {str(e).splitlines()[0].split('. ')[0]}")
+        if key == "trainer.resume" and _is_run_checkpoint(path):  # a run's own, cut by a kill or a full disk
+            advice = ("delete it to resume from an older checkpoint, or start afresh with trainer.resume=never in a "
+                      "new hydra.run.dir")
+        else:
+            advice = f"point {key} at a run directory or at one of its checkpoints/step_*.pt"
+        raise UserError(f"checkpoint {path} cannot be read ({why}): it is corrupt, truncated or not a checkpoint: "
+                        f"{advice}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(
             f"checkpoint {path} was not written by this project (expected format {FORMAT!r}); "
@@ -77,8 +80,14 @@ def load(path: Path, map_location: str | torch.device = "cpu", key: str = "train
     return state
 
 
-def load_weights(module: torch.nn.Module, state: dict, key: str, path: Path) -> None:
-    """module.load_state_dict(state[key]), or one message saying which weights do not fit."""
+def _is_run_checkpoint(path: Path) -> bool:
+    """Whether the path is where a run writes its checkpoints (checkpoints/step_<n>.pt)."""
+    return path.parent.name == "checkpoints" and path.name.startswith("step_") and path.suffix == ".pt"
+
+
+def load_weights(module: torch.nn.Module, state: dict, key: str, path: Path, built_from_checkpoint: bool = True) -> None:
+    """module.load_state_dict(state[key]), or one message saying which weights do not fit: the module
+    was built from the checkpoint's own config (a member of a finished run) or from this run's."""
     if key not in state:
         raise UserError(f"{path} holds no {key}: it is not a checkpoint of this kind of run")
     try:
@@ -87,11 +96,16 @@ def load_weights(module: torch.nn.Module, state: dict, key: str, path: Path) -> 
                     (("missing", result.missing_keys), ("unexpected", result.unexpected_keys)) if names]
     except RuntimeError as e:  # tensors whose shapes differ
         problems = [line.strip() for line in str(e).splitlines()[1:2]]
-    if problems:
+    if problems and built_from_checkpoint:
         raise UserError(
             f"{path}: its {key} does not fit the model this code builds from the checkpoint's config "
             f"({'; '.join(problems)}). It was written by another version of the code or for other model "
             "overrides: use the code that wrote it, or train afresh"
+        )
+    if problems:
+        raise UserError(
+            f"{path}: its {key} is not this run's model ({'; '.join(problems)}): point trainer.resume at a "
+            "checkpoint of this model, or start from the weights that fit with trainer.init_from"
         )
 
 

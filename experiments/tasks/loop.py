@@ -307,7 +307,7 @@ class Loop:
                 "cannot continue it: use a new hydra.run.dir, or pass the same overrides as before"
             )
         for prefix, net in nets.items():
-            checkpoint.load_weights(net, state, f"{prefix}model", path)
+            checkpoint.load_weights(net, state, f"{prefix}model", path, built_from_checkpoint=False)
 
     def _update_throughput_summary(self) -> None:
         if not self._throughput:

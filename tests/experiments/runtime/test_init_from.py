@@ -134,7 +134,7 @@ BAD_SOURCES = [
     ("not a run directory", _empty_directory, "is not a run directory (it holds no checkpoints/step_*.pt)"),
     ("a dVAE into a language model", _dvae_run,
      "is a checkpoint of a dVAE (task dvae) and this run trains a language model"),
-    ("not a torch file", _not_a_torch_file, "It is corrupt, truncated or not a torch file: point trainer.init_from"),
+    ("not a torch file", _not_a_torch_file, "it is corrupt, truncated or not a checkpoint: point trainer.init_from"),
     ("another program's torch file", _foreign_torch_file, "was not written by this project"),
 ]
 
