@@ -61,6 +61,12 @@ class RunRecord:
         return status
 
     @property
+    def summary_is_final(self) -> bool:
+        """Whether summary.json holds how the run ended; one that still says "running" (the run goes on,
+        or was killed) holds its start's figures, and the metrics rows hold the latest."""
+        return self.summary.get("status") not in (None, "running")
+
+    @property
     def fingerprint(self) -> Optional[str]:
         return self.summary.get("data_fingerprint")  # None: it failed before loading its data
 
@@ -89,9 +95,9 @@ class RunRecord:
         return values[-1] if values else None
 
     def latest(self, key: str):
-        """For a run still going, the newest metrics row that has the figure; else the summary's."""
+        """For a run still going or killed, the newest metrics row that has the figure; else the summary's."""
         rows = [r[key] for r in self.metrics if key in r]
-        if self.status == "running" and rows:
+        if not self.summary_is_final and rows:
             return rows[-1]
         return self.summary.get(key, rows[-1] if rows else None)
 
@@ -105,7 +111,7 @@ class RunRecord:
         return {"last_bucket": figure["values"][-1], "last_bucket_range": f"[{lo},{hi})"}
 
     def row(self, metric: str) -> dict:
-        step = self.summary.get("step") if self.status != "running" else None
+        step = self.summary.get("step") if self.summary_is_final else None
         if step is None:
             steps = [r["step"] for r in self.metrics]
             step = max(steps) if steps else 0
@@ -119,7 +125,7 @@ class RunRecord:
             "tokens_per_s": self.latest("tokens_per_s"),
             "peak_mem_mb": self.summary.get("peak_mem_mb"),
             "params": self.summary.get("params"),
-            "wall_s": self.summary.get("wall_s") if self.status != "running" else self.latest("wall_s"),
+            "wall_s": self.summary.get("wall_s") if self.summary_is_final else self.latest("wall_s"),
             "selection_hit": self.final("val_selection_hit"),
             "error": self.error,
             "data": self.fingerprint or "-",
@@ -342,6 +348,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"warning: {r.path / SUMMARY} cannot be read ({r.unreadable}): its status is shown as unreadable",
                   file=sys.stderr)
     metric = args.metric
+    recorded = sorted({key for r in runs for row in r.metrics for key in row if key.startswith("val_")})
+    if recorded and metric not in recorded and metric != "val_bpc":  # (val_bpc: the default, which falls back)
+        print(f"error: --metric {metric}: no run recorded it; their validation metrics: {', '.join(recorded)}",
+              file=sys.stderr)
+        return 2
     if metric == "val_bpc" and any(r.curve("val_accuracy") for r in runs):
         metric = "val_accuracy"  # recall runs: what they found, ranked highest first
     elif metric == "val_bpc" and not any(r.curve("val_bpc") for r in runs) and any(r.curve("val_loss") for r in runs):

@@ -14,7 +14,7 @@ from matplotlib.image import imread
 from experiments.config.resolvers import job_subdir
 from experiments.review.runs import find_runs, main
 from experiments.review.plots import pareto_front
-from tests.helpers.runs import ROOT, TINY, TINY_NSA, run_env, train_py
+from tests.helpers.runs import ROOT, TINY, TINY_NSA, read_metrics, run_env, train_py
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +87,16 @@ def test_killed_runs_show_as_interrupted_and_live_ones_as_running(sweep, tmp_pat
     summary = json.loads((dead / "summary.json").read_text())
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    summary.update(status="running", pid=proc.pid)  # a process that no longer exists
+    summary.update(status="running", pid=proc.pid, step=0, wall_s=0.5)  # a process that no longer exists
     (dead / "summary.json").write_text(json.dumps(summary))
-    statuses = {r.path.name: r.status for r in find_runs([tmp_path])}
-    assert statuses == {"killed": "interrupted", "running": "running", "dead": "interrupted"}
+    records = {r.path.name: r for r in find_runs([tmp_path])}
+    assert {name: r.status for name, r in records.items()} == {"killed": "interrupted", "running": "running",
+                                                                "dead": "interrupted"}
+    # a killed run's summary still holds its start's figures: the row shows how far its metrics got
+    rows = [r for r in read_metrics(dead) if "wall_s" in r]
+    dead_row = records["dead"].row("val_bpc")
+    assert dead_row["step"] == max(r["step"] for r in read_metrics(dead)) > 0
+    assert dead_row["wall_s"] == rows[-1]["wall_s"] != 0.5
 
 
 def test_runs_on_different_data_are_ranked_apart(sweep, tmp_path, capsys):
@@ -111,6 +117,13 @@ def test_no_runs_is_a_clear_error(tmp_path, capsys):
     out = review_here(capsys, tmp_path)
     assert out.returncode == 1 and "no run directories" in out.stderr
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_a_metric_no_run_recorded_is_refused_naming_those_they_did(sweep, capsys):
+    out = review_here(capsys, sweep, "--metric", "val_bogus", "--no-plots")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().startswith("error: --metric val_bogus: no run recorded it; their validation metrics: ")
+    assert "val_bpc" in out.stderr and "val_loss" in out.stderr
 
 
 def test_pareto_front_keeps_only_undominated_points():
