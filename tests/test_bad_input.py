@@ -117,6 +117,7 @@ SWEEP_CASES = [
      "the sweep's job model=transformer: Could not override 'model.num_fine_selected'"),
     (["model.depth=two,4"], "the sweep's job model.depth=two: Error merging override model.depth=two"),
     (["model=nsaa,transformer"], "the sweep's job model=nsaa: In 'config': Could not find 'model/nsaa'"),
+    (["model.depth=[1,2"], "error: no viable alternative at input '[1,2'"),  # a syntax error: Hydra's words
     (["model.num_fine_selected=2,0", "trainer.seed=0,1"],  # a rule of check_config
      "the sweep's job model.num_fine_selected=0 trainer.seed=0: model.num_fine_selected=0 must be at least 1"),
     (["trainer.max_step=5", "model.num_fine_selected=2,4"], "error: Could not override 'trainer.max_step'"),  # no job's
@@ -143,12 +144,12 @@ def test_a_sweep_whose_jobs_compose_passes_and_sampled_values_are_the_sweepers()
 
 def test_a_bad_sweep_is_refused_before_its_directory_exists(tmp_path):
     """Not Hydra's lines from its first job, after the sweep directory was made: one line, first."""
-    result = subprocess.run([sys.executable, "train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "model.depth=two,4"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120, env=run_env())
+    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "model.depth=two,4"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=run_env())
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == ["error: the sweep's job model.depth=two: Error merging override "
-                                                  "model.depth=two; Value 'two' of type 'str' could not be converted to "
-                                                  "Integer (python train.py --help lists every group, option and key)"]
+    assert result.stderr.strip().splitlines() == [
+        "error: the sweep's job model.depth=two: Error merging override model.depth=two; Value 'two' of type 'str' "
+        "could not be converted to Integer (python train.py --help lists every group, option and key)"]
     assert not (tmp_path / "sweep").exists()
 
 

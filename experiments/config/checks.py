@@ -162,8 +162,8 @@ def _key_hint(section: str, key: str, schema: str) -> Optional[str]:
         return ", ".join(f"{pick}={option}" for option in options if name in keys(option))
 
     if chosen and owners(key):  # a key of another option, before any near miss (kv_heads is no misspelt heads)
-        return f"{section}.{key} is a key of {owners(key)}, not of {pick}={chosen[0]}: choose such an option, or leave " \
-               "the key out"
+        return (f"{section}.{key} is a key of {owners(key)}, not of {pick}={chosen[0]}: choose such an option, "
+                "or leave the key out")
     if close := difflib.get_close_matches(key, keys(*(chosen or options)), n=1):
         return f"did you mean {section}.{close[0]}?"
     if close := difflib.get_close_matches(key, keys(*options), n=1):
@@ -188,17 +188,27 @@ def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     stop the sweep at that job over several lines, and a job breaking a rule would be recorded failed
     after the jobs before it had run. The jobs are every combination of the discrete sweeps (a,b,
     range(), choice()), or past SWEEP_JOBS_CHECKED of them each value once beside the others' first;
-    a value a sweeper samples (interval()) is left to it."""
+    a value a sweeper samples or expands (interval(), glob()) is left to it."""
     import itertools
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:  # a syntax error
+        return _one_line(e)
     fixed, swept = [], []
-    for override in OverridesParser.create().parse_overrides(overrides):
+    for override in parsed:
         if not override.is_sweep_override():
             fixed.append(override.input_line)
         elif override.is_discrete_sweep():
-            swept.append([f"{override.get_key_element()}={value}" for value in override.sweep_string_iterator()])
+            try:
+                values = list(override.sweep_string_iterator())
+            except HydraException:  # glob(): the sweeper expands it against the config
+                continue
+            swept.append([f"{override.get_key_element()}={value}" for value in values])
     if math.prod(len(values) for values in swept) <= SWEEP_JOBS_CHECKED:
         jobs = [list(job) for job in itertools.product(*swept)]
     else:

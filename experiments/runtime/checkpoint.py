@@ -85,7 +85,8 @@ def _is_run_checkpoint(path: Path) -> bool:
     return path.parent.name == "checkpoints" and path.name.startswith("step_") and path.suffix == ".pt"
 
 
-def load_weights(module: torch.nn.Module, state: dict, key: str, path: Path, built_from_checkpoint: bool = True) -> None:
+def load_weights(module: torch.nn.Module, state: dict, key: str, path: Path,
+                 built_from_checkpoint: bool = True) -> None:
     """module.load_state_dict(state[key]), or one message saying which weights do not fit: the module
     was built from the checkpoint's own config (a member of a finished run) or from this run's."""
     if key not in state:
