@@ -241,6 +241,7 @@ FLAG_CASES = [
     ("experiments.generate.speculative", ["RUN", "--length", "-5"], "--length=-5 must be at least 1"),
     ("experiments.generate.speculative", ["RUN", "--top-k", "0"], "--top-k=0 must be at least 1, or leave the flag out"),
     ("experiments.generate.speculative", ["RUN", "--threads", "0"], "--threads=0 must be at least 1"),
+    ("experiments.generate.speculative", ["RUN", "--prompt", ""], "--prompt is empty"),
     ("experiments.generate.speculative", ["RUN", "--engine", "static", "--temperature", "0.8"],
      "--engine=static decodes greedily: set temperature 0, or engine cache to sample"),
     ("experiments.generate.text_to_image", ["RUN", "--prompt", "x", "--num-images", "0"], "--num-images=0 must be at least 1"),
@@ -272,6 +273,8 @@ BENCHMARK_FLAG_CASES = [
     ("experiments.bench.models", ["--decode", "--tensor-peak"], "--tensor-peak measures a training step: leave out"),
     ("experiments.bench.speculative", ["--gamma", "0", "--primes", "0"], "--gamma=0 must be at least 1; --primes"),
     ("experiments.bench.speculative", ["--temperature", "-1"], "--temperature=-1.0 must be 0 or more"),
+    ("experiments.bench.speculative", ["--models", "--run", "/nowhere"],
+     "--run=/nowhere: no such checkpoint file or run directory"),
     ("experiments.bench.speculative", ["--engine", "compiled", "--temperature", "1"],
      "--engine=compiled decodes greedily: set temperature 0"),
     ("experiments.bench.dalle", ["--steps", "0", "--ff-mult", "0"], "--steps=0 must be at least 1; --ff-mult=0.0 "

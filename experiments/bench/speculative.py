@@ -212,6 +212,14 @@ def main(argv=None) -> int:
         engine = choose_engine(args.engine, device, args.temperature)
     except ValueError as e:
         parser.error(f"--{e}")
+    if args.run and not args.one:
+        from experiments.runtime import checkpoint
+        from experiments.runtime.errors import UserError
+
+        try:
+            checkpoint.resolve(args.run, key="--run")
+        except UserError as e:
+            parser.error(str(e))
     if args.one:
         row = (speculative(args.run, args.gamma, args.length, args.primes, args.temperature, args.threads, args.dtype,
                            engine, str(device))
@@ -226,7 +234,7 @@ def main(argv=None) -> int:
     failed = set()
     for _ in range(args.repeat):
         jobs = [(name, ["--models", name]) for name in args.models if name not in failed]
-        if args.run:
+        if args.run and "pair" not in failed:
             jobs.append(("pair", ["--run", str(args.run), "--gamma", str(args.gamma), "--length", str(args.length),
                                   "--primes", str(args.primes), "--temperature", str(args.temperature),
                                   "--dtype", args.dtype]))
@@ -273,7 +281,7 @@ def main(argv=None) -> int:
         print(f"             so {(r['accepted_per_step'] + 1) * r['step_ms'] / round_ms:.2f}x at this acceptance, "
               f"{(args.gamma + 1) * r['step_ms'] / round_ms:.2f}x if every draft token were accepted")
     print(f"({args.threads} threads, median of {args.repeat} interleaved rounds, each in a fresh process)")
-    return 0
+    return 1 if failed else 0  # a measurement that failed is no figure
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is visible", file=sys.stderr)
         return 2
+    if not args.prompt:
+        print("error: --prompt is empty: give the models at least one byte to continue", file=sys.stderr)
+        return 2
     try:
         engine = choose_engine(args.engine, torch.device(args.device), args.temperature)
     except ValueError as e:

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--filter-thres", type=float, default=0.9, help="keep the top (1 - this) of the image logits")
     parser.add_argument("--cond-scale", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--truncate", action="store_true",
+                        help="cut a prompt longer than the model reads (its text_seq_len tokens) instead of refusing it")
     args = parser.parse_args(argv)
     if error := flag_error({"--num-images": ("num_samples", args.num_images), "--temperature": ("temperature", args.temperature),
                             "--filter-thres": ("filter_thres", args.filter_thres),
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         dalle, vae, tokenizer = load_run(args.run)
+        if (tokens := len(tokenizer.encode(args.prompt))) > dalle.text_seq_len and not args.truncate:
+            raise UserError(f"--prompt is {tokens} tokens and the model reads {dalle.text_seq_len}: the words past "
+                            "them would be dropped: shorten it, or pass --truncate")
         images = generate_images(dalle, vae, tokenizer, [args.prompt] * args.num_images,
                                  temperature=args.temperature, filter_thres=args.filter_thres,
                                  cond_scale=args.cond_scale, generator=torch.Generator().manual_seed(args.seed))
@@ -54,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.run).parent.parent
     out = args.out or run_dir / "samples" / "generated.png"
-    save_grid(out, images, [args.prompt] * args.num_images)
+    try:
+        save_grid(out, images, [args.prompt] * args.num_images)
+    except OSError as e:
+        print(f"error: --out {out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     scores = score(images, [args.prompt] * args.num_images)
     print(f"wrote {out}" + "".join(f"  {k} {v:.2f}" for k, v in scores.items()))
     return 0

@@ -52,6 +52,24 @@ def test_generate_command_needs_only_the_checkpoint(dalle_run, tmp_path, monkeyp
     assert images.shape == (2, 3, 16, 16)
 
 
+def test_generate_command_refuses_a_prompt_the_model_would_cut_and_an_unwritable_out(dalle_run, tmp_path, capsys):
+    from experiments.generate.text_to_image import load_run, main
+
+    _, _, tokenizer = load_run(str(dalle_run))
+    words = "a " * 40 + "large red circle"
+    assert main([str(dalle_run), "--prompt", words, "--num-images", "1", "--out", str(tmp_path / "x.png")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --prompt is {len(tokenizer.encode(words))} tokens and the model reads ")
+    assert err.count("\n") == 1 and not (tmp_path / "x.png").exists()
+    assert main([str(dalle_run), "--prompt", words, "--num-images", "1", "--out", str(tmp_path / "x.png"),
+                 "--truncate"]) == 0
+    (tmp_path / "file").write_text("")
+    unwritable = tmp_path / "file" / "x.png"  # under a file
+    assert main([str(dalle_run), "--prompt", "a red circle", "--num-images", "1", "--out", str(unwritable)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: --out {unwritable}: ")
+
+
 @pytest.mark.slow
 def test_resume_across_the_stage_boundary_equals_an_uninterrupted_run(tmp_path):
     steps = ["trainer.checkpoint_every=2", "trainer.keep_checkpoints=10"]
