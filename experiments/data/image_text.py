@@ -39,10 +39,10 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif"}
 
 
 class _Item:
-    """One image and its caption lines, from a file or a tar member."""
+    """One image (its reader and its size in bytes) and its caption lines, from a file or a tar member."""
 
-    def __init__(self, key: str, read_image, captions: list[str]):
-        self.key, self.read_image, self.captions = key, read_image, captions
+    def __init__(self, key: str, read_image, size: int, captions: list[str]):
+        self.key, self.read_image, self.size, self.captions = key, read_image, size, captions
 
 
 class ImageTextFolder:
@@ -73,8 +73,9 @@ class ImageTextFolder:
         self.train_items, self.val_items = items[:-n_val], items[-n_val:]
         self._bad: set[str] = set()
         self.name = root.name
-        digest = hashlib.sha256("\n".join(f"{i.key}:{'|'.join(i.captions)}" for i in items).encode())
-        self.fingerprint = f"{self.name}:{len(items)}:{digest.hexdigest()[:16]}"
+        # the items (names, image sizes, captions) and where validation begins among them
+        digest = hashlib.sha256("\n".join(f"{i.key}:{i.size}:{'|'.join(i.captions)}" for i in items).encode())
+        self.fingerprint = f"{self.name}:{len(self.train_items)}+{n_val}:{digest.hexdigest()[:16]}"
         log.info("data %s: %d captioned images (%d for validation)", path, len(items), n_val)
         self._image(items, 0, None)  # one readable image at least, or say so now rather than at step 1
 
@@ -89,7 +90,8 @@ class ImageTextFolder:
             if not captions:
                 missing += 1
                 continue
-            items.append(_Item(str(stem.relative_to(root)), lambda p=image: p.read_bytes(), captions))
+            items.append(_Item(str(stem.relative_to(root)), lambda p=image: p.read_bytes(), image.stat().st_size,
+                               captions))
         if missing:
             log.warning("%d of %d images in %s have no caption (.txt beside them) and are left out",
                         missing, len(images), root)
@@ -102,9 +104,10 @@ class ImageTextFolder:
             try:
                 with tarfile.open(shard) as tar:
                     for member in tar.getmembers():
-                        if member.isfile():
-                            key, _, ext = member.name.partition(".")
-                            groups.setdefault(key, {})[f".{ext.lower()}"] = member
+                        if member.isfile():  # WebDataset's key: the path up to the first dot of the file's name
+                            folder, _, name = member.name.rpartition("/")
+                            stem, _, ext = name.partition(".")
+                            groups.setdefault(f"{folder}/{stem}" if folder else stem, {})[f".{ext.lower()}"] = member
                     texts = {key: tar.extractfile(g[".txt"]).read().decode(errors="replace")
                              for key, g in groups.items() if ".txt" in g}
             except (tarfile.TarError, OSError, EOFError) as e:
@@ -117,7 +120,8 @@ class ImageTextFolder:
                 if not captions:
                     missing += 1
                     continue
-                items.append(_Item(f"{shard.name}/{key}", lambda s=shard, m=image: _read_member(s, m), captions))
+                items.append(_Item(f"{shard.name}/{key}", lambda s=shard, m=image: _read_member(s, m), image.size,
+                                   captions))
         if missing:
             log.warning("%d images in the tar shards have no caption and are left out", missing)
         return items

@@ -193,8 +193,8 @@ class Passkey(RecallData):
         self.filler = torch.from_numpy(corpus.snapshot())
         self.seq_len, self.digits, self.depth_bins = seq_len, digits, depth_bins
         self.curriculum_seq_len, self.curriculum_steps = curriculum_seq_len, curriculum_steps
-        self.name = f"passkey-n{seq_len}-d{digits}" + (f"-c{curriculum_seq_len}x{curriculum_steps}"
-                                                       if curriculum_steps else "")
+        self.name = f"passkey-n{seq_len}-d{digits}-b{depth_bins}" + (f"-c{curriculum_seq_len}x{curriculum_steps}"
+                                                                    if curriculum_steps else "")
         self._short = copy.copy(self)  # the curriculum's items: the same filler, shorter
         self._short.seq_len, self._short.curriculum_steps = curriculum_seq_len, 0
 

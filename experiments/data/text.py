@@ -39,8 +39,8 @@ class ByteData:
         self.seq_len = seq_len
         self.name = name
         digest = hashlib.sha256(train.tobytes())
-        digest.update(val.tobytes())
-        self.fingerprint = f"{name}:{len(train) + len(val)}:{digest.hexdigest()[:16]}"
+        digest.update(val.tobytes())  # the bytes; and where validation begins among them:
+        self.fingerprint = f"{name}:{len(train)}+{len(val)}:{digest.hexdigest()[:16]}"
 
     def _crops(self, data: Tensor, starts: Tensor) -> Tensor:
         index = starts[:, None] + torch.arange(self.seq_len + 1)

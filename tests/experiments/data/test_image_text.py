@@ -64,13 +64,17 @@ def test_long_captions_are_an_error_before_training_or_truncated(folder):
     assert data.train_batch(2, seed=0, step=0)[0].shape == (2, 24)
 
 
-def test_tar_shards_in_the_webdataset_layout(tmp_path):
+@pytest.mark.parametrize("folder", ["", "./", "v1.0/"], ids=["top", "dot", "folder-with-a-dot"])
+def test_tar_shards_in_the_webdataset_layout(tmp_path, folder):
+    """A member's key is its path up to the first dot of its file's name (`tar -C dir -cf x.tar .`
+    writes ./0000.png)."""
     shards = tmp_path / "shards"
     shards.mkdir()
     for s in range(2):
         with tarfile.open(shards / f"shard{s}.tar", "w") as tar:
             for i in range(3):
-                for name, payload in ((f"{s}{i:03d}.png", png("blue")), (f"{s}{i:03d}.txt", b"a blue square")):
+                for name, payload in ((f"{folder}{s}{i:03d}.png", png("blue")),
+                                      (f"{folder}{s}{i:03d}.txt", b"a blue square")):
                     info = tarfile.TarInfo(name)
                     info.size = len(payload)
                     tar.addfile(info, io.BytesIO(payload))
@@ -78,6 +82,14 @@ def test_tar_shards_in_the_webdataset_layout(tmp_path):
     assert len(data.train_items) + len(data.val_items) == 6
     text, images = next(data.val_batches(1, 2))
     assert data.tokenizer.decode(text[0]) == "a blue square" and images.shape == (2, 3, 8, 8)
+
+
+def test_the_fingerprint_names_the_split_and_the_images(folder):
+    data = ImageTextFolder(str(folder), image_size=8, text_seq_len=32, val_fraction=0.25)
+    assert data.fingerprint.split(":")[1] == "3+1"
+    assert ImageTextFolder(str(folder), image_size=8, text_seq_len=32, val_fraction=0.5).fingerprint != data.fingerprint
+    (folder / "img0.png").write_bytes(png("red", size=(41, 30)))  # another image under the same name
+    assert ImageTextFolder(str(folder), image_size=8, text_seq_len=32, val_fraction=0.25).fingerprint != data.fingerprint
 
 
 def test_a_missing_or_empty_path_is_refused(tmp_path):

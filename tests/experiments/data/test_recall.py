@@ -109,6 +109,11 @@ def test_passkey_depth_bins_place_the_needle():
     assert places[0] < 0.25 < places[1] < 0.5 < places[2] < 0.75 < places[3]
 
 
+def test_passkey_depth_bins_are_part_of_the_data_set():
+    """They move the validation items' needles, so runs with other bins saw other data."""
+    assert passkey(seq_len=1024, depth_bins=4).fingerprint != passkey(seq_len=1024, depth_bins=5).fingerprint
+
+
 def test_a_passkey_sequence_too_short_is_refused():
     with pytest.raises(UserError, match="data.seq_len=64 leaves no room"):
         passkey(seq_len=64)
