@@ -67,6 +67,7 @@ CONFIG_CASES = [
     (["trainer.clip_grad_norm=-1"], "trainer.clip_grad_norm=-1.0 must be positive, or null"),
     (["trainer.validate_every=-1"], "trainer.validate_every=-1 must be 0 (off) or a number of steps"),
     (["trainer.threads=0"], "trainer.threads=0 must be at least 1, or null"),
+    (["trainer.seed=-1"], "trainer.seed=-1 must be 0 or more"),
     (["+trainer.max_step=5"], "trainer.max_step is not a key of this trainer config: did you mean trainer.max_steps?"),
     (["+model.dimm=5"], "model.dimm is not a key of this model config: did you mean model.dim?"),
     (["+task.topk=5"], "task.topk is not a key of this task config: did you mean task.top_k?"),

@@ -35,6 +35,7 @@ _AT_LEAST_0 = {
     "num_resnet_blocks", "warmup_steps", "patience", "cooldown", "vae_steps", "weight_decay", "anneal_rate",
     "kl_weight", "temperature", "temperature_min", "commitment_weight", "loss_img_weight", "min_lr",
     "initial_loss_scale_power", "cond_scale", "distill_weight", "context_weight", "curriculum_steps",
+    "seed",  # data draws hash (seed, step, ...), and Python hashes -1 as -2: negative seeds could repeat others
 }
 _STEPS = {"validate_every", "generate_every", "checkpoint_every"}  # 0: off
 _POSITIVE = {"lr", "eps", "ff_mult", "compress_hidden_mult", "vae_lr", "timeout_s", "power_a"}
