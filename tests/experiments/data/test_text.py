@@ -86,6 +86,8 @@ def test_enwik8_split_as_the_seeds(tmp_path):
         f.write(raw)
     data = Enwik8(seq_len=8, path=str(path), train_bytes=900, val_bytes=100)
     assert bytes(data.train.numpy()) == raw[:900] and bytes(data.val.numpy()) == raw[900:1000]
+    with pytest.raises(UserError, match="holds 1,200 bytes, fewer than data.train_bytes \\+ data.val_bytes = 1,500"):
+        Enwik8(seq_len=8, path=str(path), train_bytes=1000, val_bytes=500)  # validation would be short
 
 
 def test_missing_file_says_where_to_get_it(tmp_path):
