@@ -102,7 +102,9 @@ class RecallTask(Task):
             count.index_add_(0, depth.cpu(), units.float().cpu())
         figures = {"val_loss": loss_sum / max(answers, 1), "val_accuracy": (right.sum() / count.sum()).item()}
         if data.depth_bins > 1:
-            figures |= {f"val_accuracy_depth{i}": (right[i] / count[i]).item() for i in range(data.depth_bins)}
+            # a bin no validation item fell in (fewer items than bins) has no figure, not NaN
+            figures |= {f"val_accuracy_depth{i}": (right[i] / count[i]).item() for i in range(data.depth_bins)
+                        if count[i] > 0}
         if hits[1]:
             figures["val_selection_hit"] = (hits[0] / hits[1]).item()
         if hits[3]:
