@@ -145,6 +145,16 @@ def test_corrupt_checkpoint_is_reported_and_kept(tmp_path):
     assert (run / "checkpoints" / "step_0000005.pt").read_bytes() == b"garbage"
 
 
+def test_a_completed_run_run_again_changes_nothing(tmp_path):
+    """Nothing to train: its summary.json (wall time included) and metrics.jsonl stay as they were."""
+    run = tmp_path / "run"
+    train(run, "trainer.max_steps=2")
+    before = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.jsonl")}
+    result = train(run, "trainer.max_steps=2")
+    assert "nothing to train" in result.stdout + result.stderr
+    assert {name: (run / name).read_bytes() for name in before} == before
+
+
 def test_foreign_checkpoint_is_refused(tmp_path):
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.ones(1)}, foreign)

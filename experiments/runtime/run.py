@@ -58,6 +58,7 @@ class Run:
         self.stop_signal: Optional[int] = None
         self.earlier = False  # the directory held a run before this session
         self.accepted = False  # the loop took this session on: its files may change now
+        self._summary_stands = False  # a completed run run again: its summary is not rewritten
         self._start = time.time()
         self._wall_before = 0.0  # wall time of earlier sessions of a resumed run
         self._handlers: dict = {}
@@ -161,8 +162,19 @@ class Run:
     def continue_wall_clock(self, seconds: float) -> None:
         self._wall_before = seconds
 
+    def completed_before(self) -> bool:
+        """Whether summary.json records the run as completed (not killed after its last checkpoint)."""
+        try:
+            return json.loads(self.summary_path.read_text()).get("status") == "completed"
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def leave_summary(self) -> None:
+        """This session changes nothing the summary records (a completed run with nothing to train)."""
+        self._summary_stands = True
+
     def write_summary(self, status: str, force: bool = False) -> None:
-        if self.earlier and not self.accepted:  # the earlier run's summary stands
+        if (self.earlier and not self.accepted) or self._summary_stands:  # the earlier run's summary stands
             return
         if self.is_main or force:
             self.summary.update(status=status, wall_s=round(self.wall_s(), 2))

@@ -94,6 +94,9 @@ class Loop:
         self._throughput: list[tuple[float, float, int]] = []  # (tokens/s, FLOPs/token, steps) per window
         start = self._restore(resume_from, state)
         run.accept(start)
+        if start >= task.total_steps and run.completed_before():  # run again: nothing to train or record
+            log.info("the run completed at step %d: nothing to train, and its summary.json stands", start)
+            run.leave_summary()
         log.info("model %s: %.2fM parameters on %s, %s; data %s", run.choices.get("model"),
                  sum(self.param_counts.values()) / 1e6, device, backend.precision, data.fingerprint)
         run.write_summary("running")  # now with the model's and the data's figures
