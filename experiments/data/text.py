@@ -25,6 +25,8 @@ from experiments.runtime.errors import UserError
 class ByteData:
     """Train/validation byte arrays with crop sampling. Subclasses only load the bytes."""
 
+    vocab_size = 256  # a token is a byte
+
     def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, name: str):
         if seq_len < 1:
             raise UserError(f"data.seq_len={seq_len} must be at least 1")

@@ -2,8 +2,10 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from experiments.runtime.errors import UserError
 from experiments.tasks.lm import LanguageModelTask
 from experiments.tasks.task import Context
 from models.transformer import IGNORE
@@ -35,3 +37,20 @@ def test_ranks_truncate_their_rows_of_the_global_batch():
     whole = truncating_task()._truncated(targets, step=1, micro=0)
     halves = [truncating_task(rank, world_size=2)._truncated(targets[:2], step=1, micro=0) for rank in (0, 1)]
     assert torch.equal(torch.cat(halves), whole)
+
+
+@pytest.mark.parametrize("num_tokens", [100, 300])
+def test_a_model_whose_vocabulary_is_not_the_datas_bytes_is_refused(num_tokens):
+    """Fewer tokens failed with an index error at the first step; more trained every step, then the
+    final sample held bytes past 255 and the run died before its last checkpoint."""
+    from models.lm import transformer_lm
+
+    task = LanguageModelTask(prime_length=8, generate_length=8, num_samples=1, temperature=1.0, top_k=None,
+                             randomly_truncate_sequence=False)
+    task.attach(Context(run=None, cfg=None, backend=None, data=SimpleNamespace(vocab_size=256, seq_len=32),
+                        tracker=None))
+    model = transformer_lm(num_tokens=num_tokens, dim=16, depth=1, heads=2, dim_head=8)
+    message = (f"draft.num_tokens={num_tokens} does not match the data's 256 tokens \\(bytes\\): "
+               "set draft.num_tokens=256")
+    with pytest.raises(UserError, match=message):
+        task.setup({"": transformer_lm(num_tokens=256, dim=16, depth=1, heads=2, dim_head=8), "draft_": model})
