@@ -41,7 +41,7 @@ class ByteData:
         self.seq_len = seq_len
         self.name = name
         digest = hashlib.sha256(train.tobytes())
-        digest.update(val.tobytes())  # the bytes; and where validation begins among them:
+        digest.update(val.tobytes())  # the bytes, and below, where validation begins among them
         self.fingerprint = f"{name}:{len(train)}+{len(val)}:{digest.hexdigest()[:16]}"
 
     def _crops(self, data: Tensor, starts: Tensor) -> Tensor:

@@ -40,8 +40,8 @@ class LanguageModelTask(Task):
             # fewer tokens: an index error at the first step; more: samples of bytes no decoder reads
             if net.num_tokens != (vocab := self.ctx.data.vocab_size):
                 section = "draft" if prefix == "draft_" else "model"
-                raise UserError(f"{section}.num_tokens={net.num_tokens} does not match the data's {vocab} tokens "
-                                f"(bytes): set {section}.num_tokens={vocab}")
+                raise UserError(f"{section}.num_tokens={net.num_tokens} does not match the data's vocabulary of "
+                                f"{vocab} tokens: set {section}.num_tokens={vocab}")
         seq_len = self.ctx.data.seq_len
         if self.prime_length >= seq_len:
             raise UserError(f"task.prime_length={self.prime_length} must be shorter than data.seq_len={seq_len}")

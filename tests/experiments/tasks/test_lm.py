@@ -50,7 +50,6 @@ def test_a_model_whose_vocabulary_is_not_the_datas_bytes_is_refused(num_tokens):
     task.attach(Context(run=None, cfg=None, backend=None, data=SimpleNamespace(vocab_size=256, seq_len=32),
                         tracker=None))
     model = transformer_lm(num_tokens=num_tokens, dim=16, depth=1, heads=2, dim_head=8)
-    message = (f"draft.num_tokens={num_tokens} does not match the data's 256 tokens \\(bytes\\): "
-               "set draft.num_tokens=256")
+    message = f"draft.num_tokens={num_tokens} does not match the data's vocabulary of 256 tokens: set draft.num_tokens"
     with pytest.raises(UserError, match=message):
         task.setup({"": transformer_lm(num_tokens=256, dim=16, depth=1, heads=2, dim_head=8), "draft_": model})
