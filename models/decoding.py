@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from models.attention import cache as kv_cache
-from models.speculative import SpeculativeStats
+from models.speculative import SpeculativeStats, verify_greedy
 from models.transformer import TransformerLM
 
 COMPILE_MODES = (None, "default", "reduce-overhead")
@@ -180,10 +180,8 @@ def speculative_greedy(target: StaticDecoder, draft: StaticDecoder, prompt: Tens
             drafted.append(token)
         proposal = torch.cat([pending[-1], *drafted], dim=1)  # [1, gamma + 1]
         predicted = target.step(proposal).argmax(-1)  # the target's token after each
-        agrees = (predicted[:, :gamma] == proposal[:, 1:]).cumprod(dim=1)
-        accepted = int(agrees.sum())  # the round's one host sync
+        accepted, new_token = verify_greedy(predicted, proposal[:, 1:])  # the round's one host sync
         stats.accepted.append(accepted)
-        new_token = predicted[:, accepted : accepted + 1]
         out += [*drafted[:accepted], new_token]
         # the target has seen the last committed token and the accepted drafts; the draft, every draft but the last
         target.rollback(committed + accepted)

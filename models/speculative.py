@@ -56,14 +56,14 @@ def verify(p_probs: Tensor, q_probs: list[Tensor], drafted: list[int],
     return len(drafted), int(_draw(p_probs[len(drafted)], generator))  # all accepted: a bonus token
 
 
-def verify_greedy(predicted: Tensor, drafted: list[int]) -> tuple[int, int]:
+def verify_greedy(predicted: Tensor, drafted: Tensor) -> tuple[int, Tensor]:
     """`verify` at temperature 0, where p and q are one-hot: a drafted token is accepted exactly
     when it is the target's argmax, and the token after the accepted ones is the target's argmax
-    there (the residual max(0, p - q) of a rejection is p itself). predicted [len(drafted) + 1]:
-    the target's argmax before each drafted token and after the last. No random numbers drawn."""
-    agrees = (predicted[: len(drafted)] == torch.tensor(drafted, device=predicted.device)).cumprod(0)
-    accepted = int(agrees.sum())
-    return accepted, int(predicted[accepted])
+    there (the residual max(0, p - q) of a rejection is p itself). One row: predicted [..., g + 1],
+    the target's argmax before each drafted token and after the last; drafted [..., g] -> (how many
+    were accepted, the target's token after them [..., 1]). One host sync; no random numbers."""
+    accepted = int((predicted[..., :-1] == drafted).cumprod(-1).sum())
+    return accepted, predicted[..., accepted : accepted + 1]
 
 
 @torch.no_grad()
@@ -114,7 +114,8 @@ def _generate_row(target, draft, prompt, length, gamma, temperature, top_k, gene
         logits = target(torch.tensor([fresh + drafted], device=device), cache=t_cache)[0, len(fresh) - 1 :]
         t_len += len(fresh) + g
         if greedy:
-            accepted, new_token = verify_greedy(logits.argmax(-1), drafted)
+            accepted, new_token = verify_greedy(logits.argmax(-1), torch.tensor(drafted, device=device))
+            new_token = int(new_token)
         else:
             p_probs = probabilities(logits.float(), temperature, top_k)  # [g + 1, vocab]
             accepted, new_token = verify(p_probs, q_probs, drafted, generator)

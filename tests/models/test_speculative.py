@@ -72,7 +72,8 @@ def test_greedy_verification_is_the_rule_on_one_hot_distributions(seed):
             drafted = [int(t) for t in predicted[:agree]] + [int(predicted[i] + 1) % 8 for i in range(agree, gamma)]
             q_probs = [torch.nn.functional.one_hot(torch.tensor(t), 8).double() for t in drafted]
             expected = verify(probabilities(logits, 0, None), q_probs, drafted, gen)
-            assert verify_greedy(predicted, drafted) == expected == (agree, int(predicted[agree]))
+            accepted, token = verify_greedy(predicted, torch.tensor(drafted))
+            assert (accepted, int(token)) == expected == (agree, int(predicted[agree]))
 
 
 def committed_distribution(p, q, samples, seed=0):
