@@ -66,8 +66,9 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
 
     The slices are views of the weight, not copies; a linear a path cannot serve (slices need
     out divisible by 4 x threads) takes the plain product. Other dtypes and devices, and products
-    under autocast, are left alone (the half-precision product is already parallel). `plan` ({bucket's rows: path}) skips
-    the measurement. Inside an enclosing context, the linears it patched keep its plan."""
+    under autocast, are left alone (the half-precision product is already parallel). `plan`
+    ({bucket's rows: path}) skips the measurement. Inside an enclosing context, the linears it
+    patched keep its plan."""
     threads = torch.get_num_threads()
     linears = [module for module in planned_linears(*models) if "forward" not in vars(module)]  # not patched already
     plan = plan or decoding_plan(linears, threads)

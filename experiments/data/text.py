@@ -110,8 +110,9 @@ class Enwik8(ByteData):
             "pass data.path=<file>",
         )
         if len(data) < train_bytes + val_bytes:  # a short file would leave validation short or empty
-            raise UserError(f"data.path={path} holds {len(data):,} bytes, fewer than data.train_bytes + data.val_bytes "
-                            f"= {train_bytes + val_bytes:,}: give the whole enwik8 file, or set the two sizes to fit it")
+            raise UserError(f"data.path={path} holds {len(data):,} bytes, fewer than data.train_bytes + "
+                            f"data.val_bytes = {train_bytes + val_bytes:,}: give the whole enwik8 file, or set the two "
+                            "sizes to fit it")
         super().__init__(data[:train_bytes], data[train_bytes : train_bytes + val_bytes], seq_len, "enwik8")
 
 

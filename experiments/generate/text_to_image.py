@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cond-scale", type=float, default=1.0, help="classifier-free guidance scale (1: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--truncate", action="store_true",
-                        help="cut a prompt longer than the model reads (its text_seq_len tokens) instead of refusing it")
+                        help="cut a prompt longer than the model reads (its text_seq_len tokens) instead of "
+                             "refusing it")
     args = parser.parse_args(argv)
     if error := flag_error({"--num-images": ("num_samples", args.num_images), "--temperature": ("temperature", args.temperature),
                             "--filter-thres": ("filter_thres", args.filter_thres),
