@@ -26,7 +26,9 @@ def tiny_moba(kernel="torch", **overrides):
 
 @pytest.mark.parametrize("own", [True, False], ids=["own-block", "no-own-block"])
 @pytest.mark.parametrize("mode", ["eval", "train"])
-@pytest.mark.parametrize("t", [0, 3, 4, 5, 11, 21])  # block ends, starts, middles
+# block ends, starts, middles; from 9 on an earlier block loses the gate to another (before 9, with
+# top_k 3 of blocks of 4, every earlier block is chosen whatever the scores)
+@pytest.mark.parametrize("t", [0, 3, 4, 5, 9, 11, 12, 21])
 def test_causal_by_perturbation(t, mode, own):
     model = tiny_moba(include_own_block=own).train(mode == "train")
     assert_causal_by_perturbation(model, torch.randint(0, 32, (2, 23)), t)
