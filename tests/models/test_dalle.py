@@ -194,5 +194,5 @@ def test_shift_tokens_read_the_previous_position_and_the_code_above():
     assert out[0, 0] == 0 and out[5, 0] == 5  # first quarter: the previous position (none for the first)
     assert out[5, 4] == 6 == x[0, 5, 4]  # the last half of the channels stay
     assert out[2, 2] == 3  # a text position keeps its second quarter
-    assert out[4, 2] == 0  # code 1 (position 4) has no code above it
+    assert (out[3:6, 2] == 0).all()  # codes 0-2 (positions 3-5), the first row, have no code above them
     assert out[6, 2] == 4  # code 3 (position 6) reads code 0 (position 3), one row up
