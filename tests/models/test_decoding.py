@@ -11,6 +11,7 @@ from models.decoding import ENGINES, StaticDecoder, greedy, speculative_greedy
 from models.lm import nsa_lm, routing_lm, sinkhorn_lm, transformer_lm
 from models.sampling import generate
 from models.transformer import TransformerLM
+from tests.helpers.speculation import greedy_acceptances
 
 COMMON = dict(num_tokens=32, dim=32, heads=2, dim_head=16)
 BUILDERS = {
@@ -67,11 +68,13 @@ def assert_greedy_equal(target, draft, compile_mode, gamma=3, length=24):
     prompt = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(4))
     capacity = prompt.shape[1] + length + gamma + 1
     target_engine = StaticDecoder(target, 1, capacity, compile_mode)
-    expected = generate(target, prompt, length, temperature=0)
-    assert torch.equal(greedy(target_engine, prompt, length), expected)
+    expected = generate(target, prompt, length + gamma, temperature=0)  # a last round may check drafts past length
+    assert torch.equal(greedy(target_engine, prompt, length), expected[:, :length])
     tokens, stats = speculative_greedy(target_engine, StaticDecoder(draft, 1, capacity, compile_mode), prompt, length,
                                        gamma)
-    assert torch.equal(tokens, expected)
+    assert torch.equal(tokens, expected[:, :length])
+    # the draft proposed from what was committed, each round: its cache rolled back to it
+    assert stats.accepted == greedy_acceptances(draft, prompt, expected, length, gamma, shorten_last=False)
     return stats
 
 

@@ -6,6 +6,7 @@ import torch
 from models.lm import nsa_lm, transformer_lm
 from models.sampling import generate, probabilities
 from models.speculative import speculative_generate, verify, verify_greedy
+from tests.helpers.speculation import greedy_acceptances
 
 NSA_KNOBS = dict(kv_heads=1, sliding_window_size=6, compress_block_size=4, compress_stride=2, fine_block_size=4,
                  num_fine_selected=3)
@@ -32,6 +33,9 @@ def test_greedy_speculative_equals_greedy_plain(gamma, batch, pair):
     plain = generate(target, prompt, length, temperature=0)
     spec, stats = speculative_generate(target, draft, prompt, length, gamma=gamma, temperature=0)
     assert torch.equal(spec, plain)
+    # the draft proposed from what was committed, each round (rows one after another): its cache truncated to it
+    assert stats.accepted == [a for row, tokens in zip(prompt, plain)
+                              for a in greedy_acceptances(draft, row[None], tokens[None], length, gamma, True)]
     assert len(stats.accepted) > 0  # it verified drafts, not only plain steps
 
 
