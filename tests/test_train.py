@@ -38,7 +38,10 @@ def test_a_few_steps_write_every_file_of_the_run_directory(tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
-    steps = ["trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.validate_every=0"]
+    """Dropout too: the resumed steps draw the masks the uninterrupted run drew (the RNG's state
+    is in the checkpoint; the batches are functions of seed and step alone)."""
+    steps = ["trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.validate_every=0",
+             "model.attn_dropout=0.1", "model.ff_dropout=0.1"]
     train(tmp_path / "whole", *steps)
     kill_after_first_checkpoint(tmp_path / "killed", *steps)
     killed_at = len(losses(tmp_path / "killed"))
