@@ -1,0 +1,54 @@
+"""The value rules of experiments/config/checks.py at their edges: for every key of every rule, the
+last value each side of each bound. (tests/test_bad_input.py checks the one-line refusals of
+composed configs; values far outside a range pass a rule whose bound is off by one.)"""
+
+import math
+
+import pytest
+
+from experiments.config import checks
+
+# rule's keys -> (values on the edge that pass, values just past it that are refused)
+EDGES = {
+    "_AT_LEAST_1": ([1, 2], [0, -1, 0.5]),
+    "_AT_LEAST_0": ([0, 0.0, 1e-9], [-1, -1e-9]),
+    "_STEPS": ([0, 1], [-1]),
+    "_POSITIVE": ([1e-12, 1], [0, 0.0, -1e-12]),
+    "_FRACTION": ([0, 0.0, 0.999999], [1, 1.0, -1e-9]),
+    "_OPEN_FRACTION": ([1e-9, 0.999999], [0, 0.0, 1, 1.0]),
+}
+
+
+@pytest.mark.parametrize("rule", EDGES)
+def test_every_key_of_a_rule_holds_its_bounds(rule):
+    passing, refused = EDGES[rule]
+    for key in getattr(checks, rule):
+        for value in passing:
+            assert checks._rule(key, value) is None, (key, value)
+        for value in refused:
+            assert checks._rule(key, value) is not None, (key, value)
+
+
+@pytest.mark.parametrize("key,section,passing,refused", [
+    ("clip_grad_norm", "trainer", [None, 1e-6, 1.0], [0, 0.0, -1, math.nan]),
+    ("betas", "optimizer", [[0, 0], [0.9, 0.999999]], [[0.9, 1.0], [1.0, 0.9], [-1e-9, 0.9], [0.9], [0.9, 0.9, 0.9]]),
+    ("min_lr_ratio", "schedule", [0, 0.0, 1, 1.0], [-1e-9, 1.000001]),
+    ("resize_ratio", "data", [1e-9, 1, 1.0], [0, 0.0, 1.000001]),
+    ("top_k", "model", [1], [0, None]),  # what a sparse attention keeps
+    ("top_k", "task", [None, 1], [0]),  # sampling's: null for the full distribution
+    ("emb_dim", "model", [None, 1], [0]),
+    ("threads", "trainer", [None, 1], [0]),
+    ("zero_stage", "backend", [0, 3], [-1, 4]),
+])
+def test_the_keys_with_rules_of_their_own_hold_their_bounds(key, section, passing, refused):
+    for value in passing:
+        assert checks._rule(key, value, section) is None, value
+    for value in refused:
+        assert checks._rule(key, value, section) is not None, value
+
+
+def test_values_that_are_not_finite_numbers_are_refused_by_every_range():
+    for rule in EDGES:
+        for key in getattr(checks, rule):
+            for value in (math.nan, math.inf, -math.inf, True, "1"):
+                assert checks._rule(key, value) is not None, (key, value)
