@@ -46,19 +46,20 @@ if __name__ == "__main__":
 
     from experiments.config.checks import composition_error, sweep_error
     from experiments.config.resolvers import export_swept_keys
-    from experiments.runtime.launch import output_dir_error, prepare_argv
+    from experiments.runtime.launch import claim_output_dir, output_dir_error, prepare_argv
 
-    # a launcher's --local_rank, and one run directory for every rank, before Hydra parses argv
-    sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]
+    sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]  # a launcher's --local_rank, before Hydra parses argv
     overrides = sys.argv[1:]
     export_swept_keys(overrides)  # a sweep job's directory names what is swept, wherever it runs
     conf = str(Path(__file__).resolve().parent / "conf")
     if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
+        sys.argv = [sys.argv[0], *claim_output_dir(overrides)]  # its own directory, one for every rank
     # a sweep: every job's config (its launcher's options too) composed and checked, before any job starts
     elif {"-m", "--multirun"} & set(overrides) and all(a in ("-m", "--multirun") or not a.startswith("-")
                                                        for a in overrides):
-        if error := sweep_error(conf, [a for a in overrides if not a.startswith("-")]):
+        if error := sweep_error(conf, [a for a in overrides if not a.startswith("-")]) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
+        sys.argv = [sys.argv[0], *claim_output_dir(overrides)]
     main()

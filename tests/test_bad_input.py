@@ -416,12 +416,16 @@ def test_a_checkpoint_the_disk_refuses_is_one_line_and_a_rerun_goes_on(tmp_path,
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
 
 
-def test_a_run_directory_that_is_a_file(tmp_path):
+def test_a_run_or_sweep_directory_that_is_a_file(tmp_path):
     (tmp_path / "taken").write_text("a file")
     result = train_py(f"hydra.run.dir={tmp_path / 'taken' / 'run'}")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: hydra.run.dir={tmp_path / 'taken' / 'run'}: {tmp_path / 'taken'} is a " \
                                     "file, not a directory: choose another hydra.run.dir"
+    result = train_py("-m", "trainer.seed=0,1", f"hydra.sweep.dir={tmp_path / 'taken' / 'sweep'}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: hydra.sweep.dir={tmp_path / 'taken' / 'sweep'}: {tmp_path / 'taken'} is " \
+                                    "a file, not a directory: choose another hydra.sweep.dir"
 
 
 # ---- interruptions: exit status and leftovers -----------------------------------------------------

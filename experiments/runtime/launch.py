@@ -3,10 +3,11 @@
 torchrun and the `deepspeed` launcher start one process per rank with RANK, LOCAL_RANK and
 WORLD_SIZE in the environment; the `deepspeed` launcher also appends `--local_rank=N`, which
 Hydra would reject as an override. `prepare_argv` removes that argument (the value goes to
-LOCAL_RANK) and makes every rank use one run directory: rank 0 picks the timestamped directory
-and shares it through a key-value store (torchrun's own, or one rank 0 hosts at MASTER_PORT),
-so ranks whose clocks read different seconds do not each create their own. Ranks other than 0
-write no .hydra/ files and log to train.rank<k>.log.
+LOCAL_RANK). `claim_output_dir` makes the timestamped run directory, so that two launches in the
+same second get two, and every rank of one launch uses rank 0's: it is shared through a
+key-value store (torchrun's own, or one rank 0 hosts at MASTER_PORT), so ranks whose clocks read
+different seconds do not each create their own. Ranks other than 0 write no .hydra/ files and log
+to train.rank<k>.log.
 
 The store is kept for the backends' process group, and for a failing rank to leave its error
 where rank 0 finds it.
@@ -92,23 +93,51 @@ def _first_count(tasks_per_node: str) -> int:
 
 
 def prepare_argv(argv: list[str]) -> list[str]:
-    """argv without `--local_rank`, plus the run directory every rank shares."""
-    argv = _without_local_rank(argv)
-    if world_size() == 1 or any(a in ("-m", "--multirun") for a in argv):
-        return argv
-    run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
+    """argv without `--local_rank`."""
+    return _without_local_rank(argv)
+
+
+# conf/config.yaml's hydra.run.dir and hydra.sweep.dir, as time.strftime formats
+RUN_DIR_FORMAT, SWEEP_DIR_FORMAT = "outputs/%Y-%m-%d/%H-%M-%S", "outputs/multirun/%Y-%m-%d/%H-%M-%S"
+
+
+def claim_output_dir(argv: list[str]) -> list[str]:
+    """argv naming a run (or, with -m, a sweep) directory that no other launch has. The timestamped
+    default is made here with mkdir, which only one of two launches in the same second gets (the
+    other takes <time>-1, then -2, ...): two array tasks or two shells never train into one
+    directory. Every rank gets rank 0's. A directory named on the command line is kept: naming one
+    again resumes it. Called once the config is checked, so that a refused launch makes none."""
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith(key + "=")), None)
     if run_dir is None:
-        key = _PREFIX + "run_dir/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        shared = _PREFIX + "run_dir/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if rank() == 0:
-            run_dir = time.strftime("outputs/%Y-%m-%d/%H-%M-%S")  # conf/config.yaml's hydra.run.dir
-            store().set(key, run_dir)
+            run_dir = _make_fresh_dir(time.strftime(SWEEP_DIR_FORMAT if multirun else RUN_DIR_FORMAT))
+            if world_size() > 1:
+                store().set(shared, run_dir)
         else:
-            run_dir = store().get(key).decode()
-        argv = [*argv, f"hydra.run.dir={run_dir}"]
-    if rank() != 0:
+            run_dir = store().get(shared).decode()
+        argv = [*argv, f"{key}={run_dir}"]
+    if rank() != 0 and not multirun:
         argv = [*argv, "hydra.output_subdir=null", "hydra.job_logging.root.handlers=[file]",
                 f"hydra.job_logging.handlers.file.filename={run_dir}/train.rank{rank()}.log"]
     return argv
+
+
+def _make_fresh_dir(path: str) -> str:
+    """path, or path-1, path-2, ...: the first that this call creates (mkdir fails where it exists)."""
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    for n in range(10_000):
+        candidate = path if n == 0 else f"{path}-{n}"
+        try:
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free directory next to {path}")
 
 
 def log_to_rank_file(run_dir) -> None:
@@ -133,20 +162,21 @@ def log_to_rank_file(run_dir) -> None:
 
 
 def output_dir_error(overrides: list[str]) -> Optional[str]:
-    """Why the run directory an override names cannot be one (a file is in the way, no permission to
-    create it), as one line; None when Hydra can create and write it."""
+    """Why the run directory (with -m, the sweep directory) an override names cannot be one (a file
+    is in the way, no permission to create it), as one line; None when Hydra can create and write it."""
     from pathlib import Path
 
-    given = next((a.split("=", 1)[1] for a in overrides if a.startswith("hydra.run.dir=")), None)
+    key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in overrides) else "hydra.run.dir"
+    given = next((a.split("=", 1)[1] for a in overrides if a.startswith(key + "=")), None)
     path = Path(given if given is not None else "outputs")
-    key = "hydra.run.dir" if given is not None else "the working directory"
+    named = f"{key}={given}" if given is not None else "the working directory"
     ancestor = path
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if ancestor.exists() and not ancestor.is_dir():
-        return f"{key}={given}: {ancestor} is a file, not a directory: choose another hydra.run.dir"
+        return f"{named}: {ancestor} is a file, not a directory: choose another {key}"
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"{key}={given}: {ancestor} is not writable: choose a hydra.run.dir where you can write"
+        return f"{named}: {ancestor} is not writable: choose a {key} where you can write"
     return None
 
 
