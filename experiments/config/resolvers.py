@@ -1,6 +1,7 @@
 """Resolvers the config names: `${job_subdir:...}` (conf/config.yaml's hydra.sweep.subdir) and
 `${from_dense:...}` (a model default that differs for a run started from trained weights)."""
 
+import hashlib
 import os
 import sys
 from typing import Any, Optional
@@ -36,13 +37,26 @@ def job_subdir(task_overrides: Any, seed: Any, sweeper_params: Any = None, job_n
     if swept is not None and sweeper_params:
         swept |= set(sweeper_params)
     parts = sorted(
-        o.replace("/", "_") for o in task_overrides
+        o.replace("%", "%25").replace("/", "%2F") for o in task_overrides  # a path's / escaped one way only
         if (key := o.split("=", 1)[0].lstrip("+~")) != "trainer.seed" and (swept is None or key in swept)
     )
     if sweeper_params:
         parts.insert(0, f"trial={job_num}")
-    name = ",".join(parts)
+    name = _fitted(",".join(parts))
     return f"{name}/seed={seed}" if name else f"seed={seed}"
+
+
+NAME_MAX = 255  # bytes of one directory name (Linux, macOS)
+
+
+def _fitted(name: str) -> str:
+    """name, or where it is longer than a directory name may be, its start and a hash of the whole
+    (a sampler's floats, a long path): the job's .hydra/overrides.yaml holds every value."""
+    raw = name.encode()
+    if len(raw) <= NAME_MAX:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    return f"{raw[: NAME_MAX - len(digest) - 1].decode(errors='ignore')}~{digest}"
 
 
 def _swept_keys(args: list[str]) -> Optional[set[str]]:

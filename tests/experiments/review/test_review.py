@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from experiments.config.resolvers import job_subdir
 from experiments.review.runs import find_runs, main
 from experiments.review.plots import pareto_front
 from tests.helpers.runs import ROOT, TINY, TINY_NSA, read_metrics, run_env, train_py
@@ -129,14 +128,6 @@ def test_a_metric_no_run_recorded_is_refused_naming_those_they_did(sweep, capsys
 def test_pareto_front_keeps_only_undominated_points():
     points = [(100, 3.0), (200, 2.5), (150, 2.0), (50, 1.9), (120, 2.6)]
     assert pareto_front(points) == [(50, 1.9), (150, 2.0), (200, 2.5)]
-
-
-def test_job_directory_names_swept_keys_then_seed(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "model.depth=2,4", "trainer.max_steps=5", "trainer.seed=0,1"])
-    assert job_subdir(["model.depth=4", "trainer.max_steps=5", "trainer.seed=1"], 1) == "model.depth=4/seed=1"
-    assert job_subdir(["trainer.max_steps=5", "trainer.seed=1"], 1) == "seed=1"
-    optuna = {"model.num_fine_selected": "choice(2, 4)"}
-    assert job_subdir(["model.num_fine_selected=4"], 0, optuna, 3) == "trial=3,model.num_fine_selected=4/seed=0"
 
 
 @pytest.mark.slow
