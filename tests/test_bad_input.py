@@ -73,6 +73,7 @@ CONFIG_CASES = [
     (["+task.topk=5"], "task.topk is not a key of this task config: did you mean task.top_k?"),
     (["+foo=1"], "foo is not a config section"),
     (["experiment=dalle", "data=image_folder"], "data.path has no value: set data.path=<the folder or file to read>"),
+    (["data.seq_len=64"], "task.prime_length=64 must be shorter than data.seq_len=64"),
 ]
 
 
@@ -125,6 +126,12 @@ SWEEP_CASES = [
     # 5 x 4 x 2 jobs, past the 16 composed one by one: each value once, beside the others' first
     (["model.dim=16,32,64,128,256", "trainer.seed=0,1,2,3", "model.depth=1,0"],
      "the sweep's job model.dim=16 trainer.seed=0 model.depth=0: model.depth=0 must be at least 1"),
+    (["model.kv_heads=2", "model.heads=2,3"],  # a rule of the model's constructor, built on the meta device
+     "the sweep's job model.heads=3: model: heads=3 must be a multiple of kv_heads=2 (GQA groups)"),
+    (["experiment=dalle", "data.image_size=32,34"],  # the VAE's constructor too
+     "the sweep's job data.image_size=34: vae: image_size=34 must be divisible by 2**num_layers=4"),
+    (["data.seq_len=64,128"],  # a rule across sections
+     "the sweep's job data.seq_len=64: task.prime_length=64 must be shorter than data.seq_len=64"),
 ]
 
 

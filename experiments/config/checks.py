@@ -139,12 +139,40 @@ def _out_of_range(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _across_sections(cfg: DictConfig) -> list[str]:
+    """Rules between sections: a sample's prime is an excerpt of one validation sequence."""
+    prime, seq_len = OmegaConf.select(cfg, "task.prime_length"), OmegaConf.select(cfg, "data.seq_len")
+    if _number(prime) and _number(seq_len) and prime >= seq_len:
+        return [f"task.prime_length={prime} must be shorter than data.seq_len={seq_len}"]
+    return []
+
+
 def check_config(cfg: DictConfig) -> None:
     """Every problem of the composed config at once, as one line; nothing is built before it passes."""
     problems = _unknown_keys(cfg) + _missing(cfg)
-    problems += _out_of_range(cfg) if not problems else []
+    problems += _out_of_range(cfg) + _across_sections(cfg) if not problems else []
     if problems:
         raise UserError("; ".join(problems))
+
+
+def models_error(cfg: DictConfig) -> Optional[str]:
+    """What a model's constructor refuses of its knobs (NSA: heads % kv_heads, compress_stride <=
+    compress_block_size, ...), as one line: the model, draft and VAE built on PyTorch's meta device
+    (no memory, no weights, ~10 ms each); None when each builds or fails otherwise (a run says why)."""
+    import torch
+
+    from experiments.runtime.build import build
+
+    for slot in ("model", "draft", "vae"):
+        if cfg.get(slot) is not None:
+            try:
+                with torch.device("meta"):
+                    build(cfg[slot], slot)
+            except UserError as e:
+                return str(e)
+            except Exception:  # not a knob's fault (a constructor that needs real memory): the run will say
+                continue
+    return None
 
 
 def _key_hint(section: str, key: str, schema: str) -> Optional[str]:
@@ -185,7 +213,7 @@ SWEEP_JOBS_CHECKED = 16  # ~0.1 s each
 
 def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     """The first job of a sweep (`train.py -m <overrides>`) whose config does not compose or breaks a
-    rule of check_config, as one line naming its swept values; None when every job passes. Hydra would
+    rule of check_config or of its models' constructors, as one line naming its swept values; None when every job passes. Hydra would
     stop the sweep at that job over several lines, and a job breaking a rule would be recorded failed
     after the jobs before it had run. The jobs are every combination of the discrete sweeps (a,b,
     range(), choice()), or past SWEEP_JOBS_CHECKED of them each value once beside the others' first;
@@ -225,7 +253,8 @@ def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
 
 def _first_failing(config_dir: str, jobs: list[list[str]], check: bool = False) -> Optional[tuple[list[str], str]]:
     """(overrides, one line) of the first job whose config does not compose (or, with check, breaks a
-    rule of check_config), composing them in one Hydra context; None when none fails."""
+    rule of check_config or of its models' constructors), composing them in one Hydra context; None
+    when none fails."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -239,6 +268,8 @@ def _first_failing(config_dir: str, jobs: list[list[str]], check: bool = False) 
                 cfg = compose(config_name="config", overrides=overrides)
                 if check:
                     check_config(cfg)
+                    if error := models_error(cfg):
+                        return overrides, error
             except (HydraException, OmegaConfBaseException) as e:
                 return overrides, _one_line(e)
             except UserError as e:

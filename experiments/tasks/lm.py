@@ -42,10 +42,7 @@ class LanguageModelTask(Task):
                 section = "draft" if prefix == "draft_" else "model"
                 raise UserError(f"{section}.num_tokens={net.num_tokens} does not match the data's vocabulary of "
                                 f"{vocab} tokens: set {section}.num_tokens={vocab}")
-        seq_len = self.ctx.data.seq_len
-        if self.prime_length >= seq_len:
-            raise UserError(f"task.prime_length={self.prime_length} must be shorter than data.seq_len={seq_len}")
-        return nets
+        return nets  # task.prime_length < data.seq_len: experiments/config/checks.py
 
     def micro_batch(self, step: int, micro: int):
         tr, backend = self.ctx.trainer, self.ctx.backend
