@@ -132,6 +132,12 @@ SWEEP_CASES = [
      "the sweep's job data.image_size=34: vae: image_size=34 must be divisible by 2**num_layers=4"),
     (["data.seq_len=64,128"],  # a rule across sections
      "the sweep's job data.seq_len=64: task.prime_length=64 must be shorter than data.seq_len=64"),
+    # the sweeper's and the parallel launcher's options, which would fail after the sweep's directory is made
+    (["experiment=nsa_optuna", "hydra.sweeper.n_trials=0"], "error: hydra.sweeper.n_trials=0 must be at least 1"),
+    (["experiment=nsa_optuna", "hydra.sweeper.direction=up"],
+     "error: hydra.sweeper.direction=up must be minimize or maximize"),
+    (["hydra/launcher=local_gpus", "hydra.launcher.n_jobs=0", "trainer.seed=0,1"],
+     "error: hydra.launcher.n_jobs=0 must be the number of jobs at once (1 or more; -1: one a CPU)"),
 ]
 
 

@@ -238,6 +238,8 @@ def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
             except HydraException:  # glob(): the sweeper expands it against the config
                 continue
             swept.append([f"{override.get_key_element()}={value}" for value in values])
+    if error := _sweep_options_error(config_dir, [*fixed, *(values[0] for values in swept)]):
+        return error
     if math.prod(len(values) for values in swept) <= SWEEP_JOBS_CHECKED:
         jobs = [list(job) for job in itertools.product(*swept)]
     else:
@@ -249,6 +251,37 @@ def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     if not swept_values or (_first_failing(config_dir, [fixed], check=True) or (None, None))[1] == error:
         return error  # not the swept values' doing: as a single run says it
     return f"the sweep's job {' '.join(swept_values)}: {error}"
+
+
+def _sweep_options_error(config_dir: str, overrides: list[str]) -> Optional[str]:
+    """The parallel launcher's and Optuna's options that would fail the sweep after its directory is
+    made (joblib's n_jobs=0, Optuna's n_trials=0 or an unknown direction), as one line. A SLURM
+    launcher's options are checked against the cluster by experiments.runtime.cluster."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from experiments.config.schema import register
+
+    register()  # the schemas the config names, whoever calls first
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train"):
+            hydra = compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra
+    except (HydraException, OmegaConfBaseException):
+        return None  # the jobs' own composition says what is wrong
+    launcher, sweeper = hydra.launcher, hydra.sweeper
+    if "joblib" in str(launcher.get("_target_", "")) and (not isinstance(launcher.get("n_jobs"), int)
+                                                          or launcher.n_jobs == 0):
+        return (f"hydra.launcher.n_jobs={launcher.get('n_jobs')} must be the number of jobs at once (1 or more; "
+                "-1: one a CPU)")
+    if "optuna" in str(sweeper.get("_target_", "")):
+        if not (isinstance(sweeper.get("n_trials"), int) and sweeper.n_trials >= 1):
+            return f"hydra.sweeper.n_trials={sweeper.get('n_trials')} must be at least 1"
+        directions = sweeper.get("direction")
+        directions = list(directions) if OmegaConf.is_list(directions) else [directions]
+        if not all(str(d).lower() in ("minimize", "maximize") for d in directions):
+            return f"hydra.sweeper.direction={sweeper.get('direction')} must be minimize or maximize"
+    return None
 
 
 def _first_failing(config_dir: str, jobs: list[list[str]], check: bool = False) -> Optional[tuple[list[str], str]]:
