@@ -71,12 +71,13 @@ def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
 @pytest.mark.slow
 def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
-    result = train_py("-m", f"hydra.sweep.dir={sweep}", *TINY_NSA, "trainer.max_steps=2", "model.kv_heads=1,3")
+    # a vocabulary the data does not have: what only the job's data can tell (the pre-check passes it)
+    result = train_py("-m", f"hydra.sweep.dir={sweep}", *TINY_NSA, "trainer.max_steps=2", "model.num_tokens=256,128")
     assert result.returncode == 0, result.stderr
-    good, bad = sweep / "model.kv_heads=1" / "seed=0", sweep / "model.kv_heads=3" / "seed=0"
+    good, bad = sweep / "model.num_tokens=256" / "seed=0", sweep / "model.num_tokens=128" / "seed=0"
     assert read_summary(good)["status"] == "completed"
     failed = read_summary(bad)
-    assert failed["status"] == "failed" and "multiple of kv_heads" in failed["error"]
+    assert failed["status"] == "failed" and "does not match the data's vocabulary" in failed["error"]
 
 
 @pytest.mark.slow
