@@ -165,9 +165,13 @@ def position_curves(runs: list, configuration) -> dict[str, dict[str, list[dict]
     """{data fingerprint: {line label: [by-position figure of each seed]}} from each run's final
     validation; a line is a configuration (`configuration(run)`: its name without the seed) and one of
     its members (the target, or `(draft)` for a speculative pair's draft_ key). Seeds whose buckets
-    differ from the line's first are left out, as a band needs the same buckets."""
+    differ from the line's first are left out, as a band needs the same buckets. Completed runs only,
+    where a configuration has one: a seed stopped early would pull its mean up."""
     curves: dict[str, dict[str, list[dict]]] = {}
+    completed = {configuration(r) for r in runs if r.status == "completed"}
     for r in runs:
+        if r.status != "completed" and configuration(r) in completed:
+            continue
         for key in sorted(k for k in r.summary.keys() | {k for row in r.metrics for k in row}
                           if k.endswith(BY_POSITION)):
             figure = r.latest(key)

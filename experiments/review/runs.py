@@ -204,15 +204,23 @@ def rank(runs: list[RunRecord], metric: str, sort: str) -> dict[str, list[dict]]
     return groups
 
 
+def seed_of(run: RunRecord):
+    """The run's trainer.seed: its config's, else its overrides'; else its path (a seed of its own)."""
+    seed = (run.config().get("trainer") or {}).get("seed", run.overrides.get("trainer.seed"))
+    return str(run.path) if seed is None else str(seed)
+
+
 def seed_statistics(runs: list[RunRecord], metric: str) -> list[dict]:
-    """Mean and spread of the best metric over seeds, for configurations run with several."""
-    by_config: dict[tuple, list[float]] = {}
-    for r in runs:
+    """Mean and spread of the best metric over seeds, for configurations run with several completed
+    seeds. A seed run twice (a rerun in another directory) counts once: its first run in path order."""
+    by_config: dict[tuple, dict] = {}
+    for r in sorted(runs, key=lambda r: r.path):
         best = r.best(metric)
         if best is not None and r.status == "completed":
-            by_config.setdefault((r.fingerprint, configuration(r)), []).append(best)
+            by_config.setdefault((r.fingerprint, configuration(r)), {}).setdefault(seed_of(r), best)
     out = []
     sign = -1 if higher_is_better(metric) else 1
+    by_config = {key: list(seeds.values()) for key, seeds in by_config.items()}
     for (fingerprint, config), values in sorted(by_config.items(), key=lambda kv: sign * statistics.mean(kv[1])):
         if len(values) > 1:
             out.append({"configuration": config, "seeds": len(values), "mean": statistics.mean(values),
@@ -348,15 +356,26 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"warning: {r.path / SUMMARY} cannot be read ({r.unreadable}): its status is shown as unreadable",
                   file=sys.stderr)
     metric = args.metric
-    recorded = sorted({key for r in runs for row in r.metrics for key in row if key.startswith("val_")})
+    recorded = sorted({key for r in runs for row in r.metrics for key, value in row.items()
+                       if key.startswith("val_") and isinstance(value, (int, float)) and not isinstance(value, bool)})
     if recorded and metric not in recorded and metric != "val_bpc":  # (val_bpc: the default, which falls back)
-        print(f"error: --metric {metric}: no run recorded it; their validation metrics: {', '.join(recorded)}",
+        print(f"error: --metric {metric}: no run recorded it as a number; their validation metrics: "
+              f"{', '.join(recorded)}",
               file=sys.stderr)
         return 2
     if metric == "val_bpc" and any(r.curve("val_accuracy") for r in runs):
         metric = "val_accuracy"  # recall runs: what they found, ranked highest first
     elif metric == "val_bpc" and not any(r.curve("val_bpc") for r in runs) and any(r.curve("val_loss") for r in runs):
         metric = "val_loss"  # runs that are not byte-level report no bits per byte
+    out_dir = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent)
+    try:  # where review.md goes, before anything is printed
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(out_dir, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        print(f"error: --out {out_dir}: review.md and the plots cannot be written there ({e.strerror or e}): "
+              "choose another --out", file=sys.stderr)
+        return 2
     groups = rank(runs, metric, args.sort)
     stats = seed_statistics(runs, metric)
     curves = position_curves(runs, configuration)
@@ -374,8 +393,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(text_table(groups, metric, markdown) + seed_table(stats, metric, markdown)
               + position_table(curves, markdown), end="")
 
-    out_dir = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent)
-    out_dir.mkdir(parents=True, exist_ok=True)
     pictures = [] if args.no_plots else (plot(runs, groups, metric, out_dir) + position_plot(curves, out_dir)
                                          + recall_plots(runs, out_dir))
     report = [f"# Review of {', '.join(map(str, args.paths))}", "", f"{len(runs)} runs, ranked by best {metric}.", "",

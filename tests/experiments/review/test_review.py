@@ -18,10 +18,10 @@ from tests.helpers.runs import ROOT, TINY, TINY_NSA, read_metrics, run_env, trai
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    """Two tiny NSA jobs over two seeds, plus one configuration that fails."""
+    """Two tiny NSA jobs over two seeds, plus one configuration that fails (a vocabulary the data lacks)."""
     directory = tmp_path_factory.mktemp("review") / "sweep"
     result = train_py("-m", f"hydra.sweep.dir={directory}", *TINY_NSA, "trainer.max_steps=4", "trainer.validate_every=2",
-                      "model.kv_heads=1,3", "trainer.seed=0,1")
+                      "model.num_tokens=256,128", "trainer.seed=0,1")
     assert result.returncode == 0, result.stderr[-3000:]
     return directory
 
@@ -44,10 +44,10 @@ def test_table_markdown_and_real_pngs(sweep):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:4] == ["run", "status", "step", "best"]
-    ranked = [line for line in lines if line.startswith("model.kv_heads=1 trainer.seed=")]
+    ranked = [line for line in lines if line.startswith("model.num_tokens=256 trainer.seed=")]
     assert len(ranked) == 2 and all("completed" in line for line in ranked)
-    assert any(line.startswith("model.kv_heads=3 ") and "failed" in line for line in lines)
-    assert "multiple of kv_heads" in out.stdout  # the failure's first line
+    assert any(line.startswith("model.num_tokens=128 ") and "failed" in line for line in lines)
+    assert "does not match the data's vocabulary" in out.stdout  # the failure's first line
     assert "over 2 seeds" in out.stdout  # mean and spread over seeds
     report = (sweep / "review.md").read_text()
     assert "| run | status |" in report and "![val_curves](val_curves.png)" in report
@@ -74,7 +74,7 @@ def test_csv_and_sort_by_speed(sweep, capsys):
 
 
 def test_killed_runs_show_as_interrupted_and_live_ones_as_running(sweep, tmp_path):
-    job = next(p.parent for p in sweep.rglob("summary.json") if "kv_heads=1" in str(p))
+    job = next(p.parent for p in sweep.rglob("summary.json") if "num_tokens=256" in str(p))
     killed, running, dead = tmp_path / "killed", tmp_path / "running", tmp_path / "dead"
     for copy in (killed, running, dead):
         shutil.copytree(job, copy)
@@ -99,7 +99,7 @@ def test_killed_runs_show_as_interrupted_and_live_ones_as_running(sweep, tmp_pat
 
 
 def test_runs_on_different_data_are_ranked_apart(sweep, tmp_path, capsys):
-    job = next(p.parent for p in sweep.rglob("summary.json") if "kv_heads=1" in str(p))
+    job = next(p.parent for p in sweep.rglob("summary.json") if "num_tokens=256" in str(p))
     other = tmp_path / "other"
     shutil.copytree(job, other)
     summary = json.loads((other / "summary.json").read_text())
@@ -121,7 +121,8 @@ def test_no_runs_is_a_clear_error(tmp_path, capsys):
 def test_a_metric_no_run_recorded_is_refused_naming_those_they_did(sweep, capsys):
     out = review_here(capsys, sweep, "--metric", "val_bogus", "--no-plots")
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip().startswith("error: --metric val_bogus: no run recorded it; their validation metrics: ")
+    assert out.stderr.strip().startswith("error: --metric val_bogus: no run recorded it as a number; their validation "
+                                         "metrics: ")
     assert "val_bpc" in out.stderr and "val_loss" in out.stderr
 
 
@@ -187,17 +188,18 @@ def test_recall_by_width_keeps_each_attentions_style_in_every_panel():
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["nsa", "routing", "transformer"]
 
 
-def _lm_run(root: Path, name: str, model: str, seed: int, by_position=None, draft=None) -> None:
+def _lm_run(root: Path, name: str, model: str, seed: int, by_position=None, draft=None, val_bpc=1.4427,
+            status="completed") -> None:
     """A language-model run directory; by_position: its final val_bpc per bucket of [0, 16, 64, 256]."""
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text(f"- model={model}\n- trainer.seed={seed}\n")
-    figures = {"val_loss": 1.0, "val_bpc": 1.4427}
+    figures = {"val_loss": val_bpc * 0.6931, "val_bpc": val_bpc}
     for key, values in (("val_bpc_by_position", by_position), ("draft_val_bpc_by_position", draft)):
         if values is not None:
             figures[key] = {"edges": [0, 16, 64, 256], "values": values}
     (run / "metrics.jsonl").write_text(json.dumps({"step": 10, **figures}) + "\n")
-    (run / "summary.json").write_text(json.dumps({"status": "completed", "step": 10, "model": model, "task": "lm",
+    (run / "summary.json").write_text(json.dumps({"status": status, "step": 10, "model": model, "task": "lm",
                                                   "data_fingerprint": "text-256", **figures}))
 
 
@@ -231,6 +233,41 @@ def test_loss_by_position_is_a_column_beside_val_bpc_and_a_plot(tmp_path, capsys
     image = imread(sweep / "bpc_by_position.png")
     assert image.ndim == 3 and image[..., :3].std() > 0.01
     assert "![bpc_by_position](bpc_by_position.png)" in (sweep / "review.md").read_text()
+
+
+def test_a_seed_run_twice_counts_once_over_seeds(tmp_path, capsys):
+    """A rerun of one configuration and seed in another directory is no new seed."""
+    _lm_run(tmp_path, "nsa-0", "nsa", 0, val_bpc=1.5)
+    _lm_run(tmp_path, "nsa-0-again", "nsa", 0, val_bpc=1.5)
+    _lm_run(tmp_path, "nsa-1", "nsa", 1, val_bpc=1.7)
+    out = review_here(capsys, tmp_path, "--no-plots")
+    assert "(all): 1.6000 ± 0.1414 over 2 seeds (min 1.5000, max 1.7000)" in out.stdout
+
+
+def test_a_seed_stopped_early_stays_out_of_the_mean_by_position(tmp_path, capsys):
+    _lm_run(tmp_path, "nsa-0", "nsa", 0, [3.0, 2.0, 1.6])
+    _lm_run(tmp_path, "nsa-1", "nsa", 1, [3.2, 2.2, 1.8])
+    _lm_run(tmp_path, "nsa-2", "nsa", 2, [5.0, 5.0, 5.0], status="interrupted")
+    _lm_run(tmp_path, "dense-0", "transformer", 0, [4.0, 4.0, 4.0], status="interrupted")  # its only run: shown
+    out = review_here(capsys, tmp_path, "--no-plots").stdout.splitlines()
+    table = out[out.index("final val_bpc by position, data text-256") + 4:]
+    assert [row.split() for row in table[:2]] == [
+        ["model=nsa", "(mean", "of", "2", "seeds)", "3.1000", "2.1000", "1.7000"],
+        ["model=transformer", "4.0000", "4.0000", "4.0000"]]
+
+
+def test_a_figure_that_is_not_a_number_is_no_metric_to_rank_by(sweep, capsys):
+    out = review_here(capsys, sweep, "--metric", "val_bpc_by_position", "--no-plots")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("error: --metric val_bpc_by_position: no run recorded it as a number; ")
+    assert "val_bpc_by_position" not in out.stderr.split("metrics: ")[1]
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_table(sweep, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    out = review_here(capsys, sweep, "--out", tmp_path / "a_file", "--no-plots")
+    assert out.returncode == 2 and out.stdout == "" and "\n" not in out.stderr.strip()
+    assert out.stderr.startswith(f"error: --out {tmp_path / 'a_file'}: review.md and the plots cannot be written there")
 
 
 def test_loss_by_position_draws_a_line_per_configuration_and_member(tmp_path):
