@@ -48,10 +48,15 @@ class Trainee:
 class LocalBackend:
     rank = 0
     world_size = 1
+    distributed = False  # trains in one process
 
     def setup(self, trainer) -> None:
         """Pick the device, seed every generator, set CPU threads and what the C allocator does with
         freed memory. Runs before the model is built."""
+        if not self.distributed and (processes := launch.world_size()) > 1:
+            raise UserError(f"backend=local trains in one process, and this launch started {processes} (torchrun, "
+                            "srun --ntasks, tasks_per_node): each would train the same run alone; use backend=ddp "
+                            "or backend=deepspeed, or launch one process")
         self.device = self._device(trainer.device.value)
         self.precision = trainer.precision.value
         if self.precision == "fp16" and self.device.type != "cuda":
@@ -149,6 +154,8 @@ class LocalBackend:
 class DDPBackend(LocalBackend):
     """DistributedDataParallel over every rank: gradients are averaged in the backward pass.
     Rank 0 writes the checkpoints, every rank loads them."""
+
+    distributed = True
 
     def __init__(self, timeout_s: float = 600.0, find_unused_parameters: bool = False):
         self.timeout_s = timeout_s

@@ -103,6 +103,15 @@ def test_cuda_graphs_on_the_cpu_are_refused_in_one_line():
         LocalBackend().setup(trainer(device=Device.cpu, compile="reduce-overhead"))
 
 
+def test_the_local_backend_in_a_launch_of_several_processes_is_refused_in_one_line(monkeypatch):
+    """srun --ntasks=2 (or torchrun) with backend=local: each process would train the same run alone."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(UserError, match="backend=local trains in one process, and this launch started 2 .*use "
+                                        "backend=ddp or backend=deepspeed"):
+        LocalBackend().setup(trainer(device=Device.cpu))
+
+
 def test_compile_with_deepspeed_is_refused_in_one_line():
     from experiments.runtime.backends import DeepSpeedBackend
 
