@@ -167,6 +167,14 @@ def test_a_bad_sweep_is_refused_before_its_directory_exists(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
+def test_a_refused_sweep_job_names_the_sweeps_directory_setting(tmp_path):
+    """A sweep's job lives where hydra.sweep.dir says: a new hydra.run.dir would change nothing."""
+    sweep = ["-m", f"hydra.sweep.dir={tmp_path}", *TINY_LM, "trainer.max_steps=2", "trainer.seed=0"]
+    assert train_py(*sweep).returncode == 0
+    result = train_py(*sweep, "trainer.batch_size=3")
+    assert "so this run cannot continue it: use a new hydra.sweep.dir, or pass the same overrides" in result.stderr
+
+
 # ---- files the project reads -----------------------------------------------------------------------
 
 

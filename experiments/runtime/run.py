@@ -64,6 +64,11 @@ class Run:
         self._handlers: dict = {}
         self._requeue: Optional[tuple] = None  # (signal, submitit's handler) in a submitit job
 
+    @property
+    def dir_setting(self) -> str:
+        """The setting that names where this run lives: a sweep job's directory is its sweep's."""
+        return "hydra.sweep.dir" if self.multirun else "hydra.run.dir"
+
     @classmethod
     def from_hydra(cls, is_main: bool = True) -> "Run":
         from hydra.core.hydra_config import HydraConfig

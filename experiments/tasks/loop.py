@@ -256,7 +256,7 @@ class Loop:
             if own is not None:
                 raise UserError(
                     f"{self.run.dir} already holds checkpoints and trainer.resume=never would overwrite this "
-                    "run: choose a new hydra.run.dir, or trainer.resume=auto to continue it"
+                    f"run: choose a new {self.run.dir_setting}, or trainer.resume=auto to continue it"
                 )
             return None, None
         path = own if spec == "auto" else checkpoint.resolve(spec)
@@ -307,7 +307,7 @@ class Loop:
         if differ and self._continues(path):
             raise UserError(
                 f"{path} was trained with a different config ({', '.join(differ)} differ), so this run "
-                "cannot continue it: use a new hydra.run.dir, or pass the same overrides as before"
+                f"cannot continue it: use a new {self.run.dir_setting}, or pass the same overrides as before"
             )
         for prefix, net in nets.items():
             checkpoint.load_weights(net, state, f"{prefix}model", path, built_from_checkpoint=False)
