@@ -383,6 +383,7 @@ REFUSALS = [
     ("foreign newest checkpoint", _foreign_newest, ["trainer.max_steps=4"], "not written by this project"),
     ("a bad value", None, ["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
     ("a data file that is not gzip", None, ["data.path=setup.gz"], "is not a complete gzip file"),
+    ("other weights to start from", None, ["trainer.init_from=SOURCE"], "trainer.init_from differ"),
 ]
 
 
@@ -394,7 +395,8 @@ def test_a_refused_rerun_leaves_the_run_byte_identical(tmp_path, completed_run, 
     if prepare:
         prepare(run)
     before = snapshot(run)
-    overrides = [o.replace("setup.gz", str(tmp_path / "setup.gz")) for o in overrides]
+    overrides = [o.replace("setup.gz", str(tmp_path / "setup.gz")).replace("SOURCE", str(completed_run))
+                 for o in overrides]
     result = train(run, "trainer.max_steps=2", *overrides, check=False)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: ") and message in result.stderr

@@ -29,9 +29,11 @@ _SLOTS = {"model": "", "draft": "draft_", "vae": "vae_"}  # model configs and th
 
 # config sections that must match for a checkpoint to continue this run
 _RESUME_MUST_MATCH = ("model", "draft", "vae", "data", "optimizer", "schedule", "task")
-# the trainer's keys that shape the steps and what validation measures; the rest (max_steps, how often
-# to validate, log or checkpoint, threads, device, compile, ...) a resumed run may change
-_RESUME_MUST_MATCH_TRAINER = ("batch_size", "grad_accum", "seed", "precision", "clip_grad_norm", "val_batches")
+# the trainer's keys that shape the steps and what validation measures, and the weights the run started
+# from (a resume never reloads them: another init_from would only misdescribe the run); the rest
+# (max_steps, how often to validate, log or checkpoint, threads, device, compile, ...) a resumed run may change
+_RESUME_MUST_MATCH_TRAINER = ("batch_size", "grad_accum", "seed", "precision", "clip_grad_norm", "val_batches",
+                              "init_from", "init_strict")
 
 
 class Loop:
