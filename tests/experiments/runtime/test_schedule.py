@@ -43,3 +43,24 @@ def test_plateau_halves_the_lr_when_the_window_mean_stops_falling_and_resumes_mi
     assert opt.param_groups[0]["lr"] == 0.2  # never below min_lr
     with pytest.raises(ValueError, match="window"):
         LossPlateau(optimizer(), window=0)
+
+
+def test_cosine_spans_the_steps_after_the_warm_up():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = warmup_cosine(opt, warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+    lrs = [schedule.get_last_lr()[0]]
+    for _ in range(10):
+        opt.step()
+        schedule.step()
+        lrs.append(schedule.get_last_lr()[0])
+    assert lrs[6] == pytest.approx(0.55) and lrs[10] == pytest.approx(0.1)
+
+
+def test_plateau_judges_the_window_mean_not_its_last_loss():
+    from experiments.runtime.schedule import LossPlateau
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = LossPlateau(opt, window=2, factor=0.5, patience=0, cooldown=0, min_lr=0.01)
+    for loss in [3, 3, 1, 4]:  # window means 3 then 2.5: better, though its last loss is worse
+        schedule.step(loss)
+    assert opt.param_groups[0]["lr"] == 1.0
