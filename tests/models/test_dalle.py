@@ -196,3 +196,22 @@ def test_shift_tokens_read_the_previous_position_and_the_code_above():
     assert out[2, 2] == 3  # a text position keeps its second quarter
     assert (out[3:6, 2] == 0).all()  # codes 0-2 (positions 3-5), the first row, have no code above them
     assert out[6, 2] == 4  # code 3 (position 6) reads code 0 (position 3), one row up
+
+
+def test_filter_thres_keeps_the_top_fraction_of_the_image_logits():
+    model = tiny().eval()
+    text, _ = batch(model)
+    # 12 image tokens, (1 - 0.95) of them: the top 1, so sampling at any temperature is greedy
+    sampled = model.generate_codes(text, filter_thres=0.95, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled, model.generate_codes(text, temperature=0.0))
+
+
+def test_a_dropped_caption_is_no_target():
+    model = tiny(cond_drop_prob=0.9).train()
+    tokens, targets = model.sequence(*batch(model))
+    torch.manual_seed(0)
+    dropped_tokens, dropped_targets = model._drop_captions(tokens, targets)
+    dropped = (dropped_tokens[:, 1 : TEXT_LEN + 1] == 0).all(1)
+    assert dropped.any()
+    assert (dropped_targets[dropped, :TEXT_LEN] == IGNORE).all()
+    assert torch.equal(dropped_targets[:, TEXT_LEN:], targets[:, TEXT_LEN:])

@@ -11,6 +11,7 @@ from experiments.data.shapes import Shapes
 from models.dvae import DiscreteVAE
 from tests.helpers.gpu import PRECISIONS, assert_devices_agree, assert_loss_falls, train_on_cuda
 from tests.helpers.runs import TINY_DVAE
+import torch.nn.functional as F
 
 
 def tiny(**kwargs) -> DiscreteVAE:
@@ -102,3 +103,30 @@ def test_first_step_agrees_between_the_cpu_and_cuda():
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_trains_on_cuda(tmp_path, precision):
     assert_loss_falls(train_on_cuda(tmp_path, precision, base=TINY_DVAE))
+
+
+def _decoder_input(vae, images):
+    seen = {}
+    handle = vae.decoder.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    _, figures = vae(images)
+    handle.remove()
+    return seen["x"], figures
+
+
+def test_dvae_kl_to_uniform_and_the_temperatures_of_evaluation_and_training():
+    vae = tiny(temperature=1.0, temperature_min=0.5, anneal_rate=0.1)
+    for _ in range(3):
+        vae.after_optimizer_step()  # temperature exp(-0.3) ~ 0.74
+    images = torch.rand(2, 3, 16, 16)
+    logits = vae.logits(images).detach()
+    log_q = logits.log_softmax(1)
+    mixed, figures = _decoder_input(vae.eval(), images)
+    assert figures["kl"] == pytest.approx(((log_q.exp() * log_q).sum(1).mean() + math.log(32)).item(), rel=1e-5)
+    expected = torch.einsum("bnhw,nd->bdhw", F.softmax(logits / 0.5, dim=1), vae.codebook.weight)
+    torch.testing.assert_close(mixed, expected)
+    vae.train()
+    torch.manual_seed(1)
+    mixed, _ = _decoder_input(vae, images)
+    torch.manual_seed(1)
+    relaxed = F.gumbel_softmax(logits, tau=vae.temperature, dim=1)
+    torch.testing.assert_close(mixed, torch.einsum("bnhw,nd->bdhw", relaxed, vae.codebook.weight))

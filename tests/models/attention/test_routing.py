@@ -227,3 +227,25 @@ def test_training_keeps_no_more_than_dense_attention():
 def test_recomputing_the_attention_changes_nothing(monkeypatch):
     layer = layer_with_both_kinds_of_head().train()
     assert_recomputation_changes_nothing(layer, torch.randn(2, 70, 32), monkeypatch)
+
+
+def test_a_centroid_moves_by_ema_decay_toward_its_members_mean_and_an_empty_one_stays():
+    torch.manual_seed(0)
+    attn = RoutingAttention(dim=8, heads=1, dim_head=4, window_size=2, num_clusters=2, ema_decay=0.9)
+    before = attn.centroids.clone()
+    attn._sums[0, 0] = torch.tensor([2.0, 0.0, 0.0, 0.0])  # two members, mean direction e0
+    attn._counts[0, 0] = 2
+    attn.after_optimizer_step()
+    expected = F.normalize(0.9 * before[0, 0] + 0.1 * torch.tensor([1.0, 0.0, 0.0, 0.0]), dim=-1)
+    torch.testing.assert_close(attn.centroids[0, 0], expected)
+    torch.testing.assert_close(attn.centroids[0, 1], before[0, 1])
+
+
+def test_commitment_loss_is_weight_times_mean_squared_distance_to_the_nearest_centroid():
+    torch.manual_seed(0)
+    attn = RoutingAttention(dim=8, heads=2, dim_head=4, window_size=2, num_clusters=3, commitment_weight=0.5).train()
+    x = torch.randn(2, 5, 8)
+    attn(x)
+    unit = F.normalize(attn.to_q(x).view(2, 5, 2, 4).transpose(1, 2), dim=-1)  # [b, h, n, d]
+    distances = (unit[..., None, :] - attn.centroids[None, :, None]).square().sum(-1)  # [b, h, n, clusters]
+    torch.testing.assert_close(attn.aux_loss, 0.5 * distances.min(-1).values.mean())

@@ -142,3 +142,30 @@ def test_training_keeps_its_input_and_output_alone():
 def test_recomputing_the_attention_changes_nothing(monkeypatch):
     layer = layer_with_both_kinds_of_head().train()
     assert_recomputation_changes_nothing(layer, torch.randn(2, 70, 32), monkeypatch)
+
+
+def test_gumbel_noise_is_added_to_the_scores_before_the_temperature():
+    scores = torch.randn(2, 4, 4, dtype=torch.double)
+    torch.manual_seed(3)
+    noisy = sinkhorn(scores, 3, 0.5, noise=True)
+    torch.manual_seed(3)
+    gumbel = -torch.log(-torch.log(torch.rand_like(scores).clamp(1e-9, 1 - 1e-9)))
+    torch.testing.assert_close(noisy, sinkhorn(scores + gumbel, 3, 0.5))
+
+
+def test_training_draws_a_noisy_sort_and_evaluation_does_not():
+    torch.manual_seed(0)
+    attn = SinkhornAttention(dim=8, heads=2, dim_head=4, bucket_size=3, n_local_attn_heads=0)
+    x = torch.randn(1, 12, 8)
+    assert torch.equal(attn.eval()._sort_matrix(x, 3), attn._sort_matrix(x, 3))
+    assert not torch.equal(attn.train()._sort_matrix(x, 3), attn._sort_matrix(x, 3))
+
+
+def test_the_sort_scores_are_of_the_buckets_mean_inputs():
+    torch.manual_seed(0)
+    attn = SinkhornAttention(dim=8, heads=2, dim_head=4, bucket_size=3, n_local_attn_heads=0).eval()
+    x = torch.randn(1, 9, 8)
+    means = x.view(1, 3, 3, 8).mean(2)
+    sort_q, sort_k = attn.to_sort(means).view(1, 3, 2, 2, 4).permute(2, 0, 3, 1, 4)
+    expected = sinkhorn(sort_q @ sort_k.transpose(-1, -2) / 2, attn.sinkhorn_iter, attn.temperature)
+    torch.testing.assert_close(attn._sort_matrix(x, 3), expected)
