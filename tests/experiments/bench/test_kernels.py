@@ -235,3 +235,11 @@ def test_count_where_triton_is_imported_without_the_interpreter_says_how_to_get_
             "runpy.run_module('experiments.bench.kernels', run_name='__main__')")
     child = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert child.returncode == 2 and "set TRITON_INTERPRET=1" in child.stderr
+
+
+def test_kernel_table_x_dense_is_dense_time_over_the_layers(capsys):
+    from experiments.bench.kernels import print_layers
+
+    print_layers([("dense", 2.0, 8.0, None, ""), ("nsa", 1.0, 2.0, None, "")], 64)
+    nsa = next(line for line in capsys.readouterr().out.splitlines() if " nsa " in line).split()
+    assert nsa[4:6] == ["2.00x", "4.00x"]

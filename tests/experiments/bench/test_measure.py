@@ -3,6 +3,7 @@
 import torch
 
 from experiments.bench.measure import median_row, median_seconds, settled_peak_mb
+from types import SimpleNamespace
 
 
 def _peaks(*readings):
@@ -37,3 +38,12 @@ def test_the_median_time_is_of_the_calls_after_the_warm_ups():
 def test_the_median_round_is_the_middle_one_by_its_key():
     rows = [{"tokens_per_s": 3, "n": 0}, {"tokens_per_s": 1, "n": 1}, {"tokens_per_s": 2, "n": 2}]
     assert median_row(rows, "tokens_per_s")["n"] == 2
+
+
+def test_median_seconds_is_the_middle_timing(monkeypatch):
+    from experiments.bench import measure
+
+    clock, durations = [0.0], iter([100.0, 5.0, 1.0, 3.0, 2.0, 4.0])  # one warm-up, then five timed calls
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    step = lambda: clock.__setitem__(0, clock[0] + next(durations))  # noqa: E731
+    assert measure.median_seconds(step, 5, torch.device("cpu"), warmups=1) == 3.0

@@ -7,6 +7,7 @@ import torch
 
 from experiments.bench import models as benchmark
 from experiments.runtime import throughput
+from types import SimpleNamespace
 
 TINY = ["model.dim=32", "model.depth=1", "model.heads=2", "model.dim_head=16"]
 
@@ -71,3 +72,14 @@ def test_the_step_count_prints_each_part_and_nsas_triton_launches(capsys):
     for name, (seq, forward, backward, optimizer, total, triton, syncs) in rows.items():
         assert seq == "32" and int(forward) + int(backward) + int(optimizer) == int(total)
         assert (int(triton) > 0) == (name == "nsa")
+
+
+def test_model_table_x_dense_is_tokens_per_s_over_the_transformers(capsys):
+    from experiments.bench.models import print_table
+
+    rows = [dict(model=m, seq=64, batch=1, tokens_per_s=t, step_s=0.1, prompt_s=0.1, peak_mem_mb=100.0,
+                 cpu_allocator="system") for m, t in (("transformer", 100.0), ("nsa", 250.0))]
+    args = SimpleNamespace(decode=True, precision="fp32", threads=1, steps=3, repeat=1, tensor_peak=False)
+    print_table(rows, args)
+    nsa = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("nsa")).split()
+    assert nsa[5] == "2.50"

@@ -1,6 +1,7 @@
 """Reviewing run directories: tables in every format, plots that are real images, statuses."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -287,3 +288,30 @@ def test_loss_by_position_draws_a_line_per_configuration_and_member(tmp_path):
     assert band.get_paths()[0].vertices[:, 1].max() == pytest.approx(3.2)
     assert ax.get_xscale() == "log"
     plt.close(fig)
+
+
+def test_seed_statistics_are_the_sample_mean_and_spread_of_completed_runs_best_first():
+    from experiments.review.runs import RunRecord, seed_statistics
+
+    def run(name, status, *values):
+        record = RunRecord(Path(name), {}, {"status": status, "data_fingerprint": "d"},
+                           [{"step": i, "val_bpc": v} for i, v in enumerate(values)])
+        record.name = name
+        return record
+
+    runs = [run("model=a trainer.seed=0", "completed", 3.0, 1.0), run("model=a trainer.seed=1", "completed", 2.0),
+            run("model=a trainer.seed=2", "failed", 0.1),
+            run("model=b trainer.seed=0", "completed", 5.0), run("model=b trainer.seed=1", "completed", 7.0)]
+    stats = seed_statistics(runs, "val_bpc")
+    assert [s["configuration"] for s in stats] == ["model=a", "model=b"]  # lowest mean first
+    a = stats[0]
+    assert (a["seeds"], a["mean"], a["min"], a["max"]) == (2, 1.5, 1.0, 2.0)
+    assert a["std"] == pytest.approx(math.sqrt(0.5))  # the sample deviation of 1 and 2
+
+
+def test_a_runs_final_figure_is_its_last_validation_and_best_its_lowest():
+    from experiments.review.runs import RunRecord
+
+    record = RunRecord(Path("r"), {}, {"status": "completed"},
+                       [{"step": s, "val_bpc": v} for s, v in ((1, 3.0), (2, 1.0), (3, 2.0))])
+    assert (record.final("val_bpc"), record.best("val_bpc")) == (2.0, 1.0)

@@ -246,3 +246,26 @@ def test_two_ranks_warm_up_the_indexer_alone_as_one_process_of_twice_the_batch(t
     assert indexer and all(not torch.equal(warmed[n], torch.zeros_like(warmed[n])) for n in indexer)
     frozen = [n for n in warmed if n not in indexer and n in source]
     assert len(frozen) > 8 and [n for n in frozen if not torch.equal(warmed[n], source[n])] == []
+
+
+def test_init_from_a_run_directory_takes_its_latest_checkpoint(tmp_path):
+    from experiments.runtime.init_from import resolve
+
+    for step in (3, 10, 7):
+        (tmp_path / "checkpoints").mkdir(exist_ok=True)
+        (tmp_path / "checkpoints" / f"step_{step:07d}.pt").write_bytes(b"")
+    assert resolve(str(tmp_path)).name == "step_0000010.pt"
+
+
+def test_init_strict_false_reaches_the_loader_from_train_py(tmp_path):
+    from tests.helpers.runs import TINY_LM, read_summary, train
+
+    dense = tmp_path / "dense"
+    train(dense, "trainer.max_steps=1")
+    nsa = [o for o in TINY_LM if o != "model=transformer"] + [
+        "model=nsa", "model.heads=1", "model.kv_heads=1", "model.sliding_window_size=8", "model.compress_block_size=4",
+        "model.compress_stride=2", "model.fine_block_size=4", "model.num_fine_selected=3"]
+    train(tmp_path / "sparse", "trainer.max_steps=1", f"trainer.init_from={dense}", "trainer.init_strict=false",
+          base=nsa)
+    report = read_summary(tmp_path / "sparse")["init_from"]
+    assert report["strict"] is False and report["dropped"]

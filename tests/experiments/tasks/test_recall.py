@@ -126,3 +126,25 @@ def test_the_auxiliary_loss_is_that_of_the_forward_it_joins():
         task.loss(member, (torch.tensor([[1, 1]]), targets))  # the step before: auxiliary loss 1
         loss, _ = task.loss(member, (torch.tensor([[8, 8]]), targets))
         assert torch.allclose(loss, answer + weight * context + 8.0)
+
+
+def test_recall_validation_averages_over_answers_and_each_depth_bin_over_its_own_items():
+    from experiments.tasks.recall import RecallTask
+
+    I = IGNORE
+    inputs = torch.zeros(2, 4, dtype=torch.long)
+    targets = torch.tensor([[I, 5, I, 6], [I, I, 7, I]])
+    depth = torch.tensor([0, 1])
+    predicted = torch.tensor([5, 0, 7])  # row 0: right, wrong (bin 0); row 1: right (bin 1)
+    logits = 3.0 * F.one_hot(predicted, 10).float()
+    data = SimpleNamespace(depth_bins=2, per_sequence=False,
+                           val_batches=lambda n, size: iter([(inputs, targets, depth)]))
+    backend = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), all_reduce_mean=lambda v: v,
+                              autocast=lambda: torch.autocast("cpu", enabled=False))
+    task = RecallTask(num_samples=1, context_weight=0.0)
+    task.attach(SimpleNamespace(trainer=SimpleNamespace(val_batches=1, batch_size=2), backend=backend, data=data))
+    member = SimpleNamespace(model=lambda x, at: logits)
+    figures = task._validate(member, record=False)
+    assert figures["val_accuracy"] == pytest.approx(2 / 3)
+    assert figures["val_accuracy_depth0"] == 0.5 and figures["val_accuracy_depth1"] == 1.0
+    assert figures["val_loss"] == pytest.approx(F.cross_entropy(logits, torch.tensor([5, 6, 7])).item())

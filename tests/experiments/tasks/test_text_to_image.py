@@ -152,3 +152,19 @@ def test_the_preset_runs_a_few_steps_of_each_stage_on_cuda(tmp_path):
     summary = read_summary(tmp_path)
     assert summary["status"] == "completed" and summary["device"].startswith("cuda")
     assert 0 <= summary["colour_agreement"] <= 1 and (tmp_path / "samples" / "step_0000010.png").is_file()
+
+
+def test_the_dalle_runs_text_and_image_figures_combine_into_its_loss(tmp_path):
+    import yaml
+
+    from tests.helpers.runs import TINY_DALLE, read_metrics, read_summary, train
+
+    run = tmp_path / "run"
+    train(run, base=TINY_DALLE)
+    w = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())["model"]["loss_img_weight"]
+    assert w != 1
+    summary = read_summary(run)
+    rows = [r for r in read_metrics(run) if "image_loss" in r]
+    for loss, text, image in [(r["loss"], r["text_loss"], r["image_loss"]) for r in rows] + [
+            (summary["val_loss"], summary["val_text_loss"], summary["val_image_loss"])]:
+        assert loss == pytest.approx((text + w * image) / (w + 1), abs=1e-4)
