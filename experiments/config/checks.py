@@ -213,11 +213,12 @@ SWEEP_JOBS_CHECKED = 16  # ~0.1 s each
 
 def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     """The first job of a sweep (`train.py -m <overrides>`) whose config does not compose or breaks a
-    rule of check_config or of its models' constructors, as one line naming its swept values; None when every job passes. Hydra would
-    stop the sweep at that job over several lines, and a job breaking a rule would be recorded failed
-    after the jobs before it had run. The jobs are every combination of the discrete sweeps (a,b,
-    range(), choice()), or past SWEEP_JOBS_CHECKED of them each value once beside the others' first;
-    a value a sweeper samples or expands (interval(), glob()) is left to it."""
+    rule of check_config or of its models' constructors, as one line naming its swept values; None
+    when every job passes. Hydra would stop the sweep at that job over several lines, and a job
+    breaking a rule would be recorded failed after the jobs before it had run. The jobs are every
+    combination of the discrete sweeps (a,b, range(), choice()), or past SWEEP_JOBS_CHECKED of them
+    each value once beside the others' first; a value a sweeper samples or expands (interval(),
+    glob()) is left to it."""
     import itertools
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
