@@ -87,7 +87,8 @@ def test_killed_runs_show_as_interrupted_and_live_ones_as_running(sweep, tmp_pat
     summary = json.loads((dead / "summary.json").read_text())
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    summary.update(status="running", pid=proc.pid, step=0, wall_s=0.5)  # a process that no longer exists
+    # a process that no longer exists, and a start's wall time no real row has (0.5 s: a tiny run's own)
+    summary.update(status="running", pid=proc.pid, step=0, wall_s=-1.0)
     (dead / "summary.json").write_text(json.dumps(summary))
     records = {r.path.name: r for r in find_runs([tmp_path])}
     assert {name: r.status for name, r in records.items()} == {"killed": "interrupted", "running": "running",
@@ -96,7 +97,7 @@ def test_killed_runs_show_as_interrupted_and_live_ones_as_running(sweep, tmp_pat
     rows = [r for r in read_metrics(dead) if "wall_s" in r]
     dead_row = records["dead"].row("val_bpc")
     assert dead_row["step"] == max(r["step"] for r in read_metrics(dead)) > 0
-    assert dead_row["wall_s"] == rows[-1]["wall_s"] != 0.5
+    assert dead_row["wall_s"] == rows[-1]["wall_s"] != -1.0
 
 
 def test_runs_on_different_data_are_ranked_apart(sweep, tmp_path, capsys):
