@@ -44,9 +44,10 @@ if __name__ == "__main__":
     import sys
     from pathlib import Path
 
-    from experiments.config.checks import composition_error, sweep_error
+    from experiments.config.checks import composition_error, runs_jobs_in_parallel, sweep_error, sweep_hydra_config
     from experiments.config.resolvers import export_swept_keys
-    from experiments.runtime.launch import claim_output_dir, output_dir_error, prepare_argv
+    from experiments.runtime.launch import (claim_output_dir, output_dir_error, prepare_argv,
+                                            stop_workers_with_this_process)
 
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]  # a launcher's --local_rank, before Hydra parses argv
     overrides = sys.argv[1:]
@@ -59,7 +60,10 @@ if __name__ == "__main__":
     # a sweep: every job's config (its launcher's options too) composed and checked, before any job starts
     elif {"-m", "--multirun"} & set(overrides) and all(a in ("-m", "--multirun") or not a.startswith("-")
                                                        for a in overrides):
-        if error := sweep_error(conf, [a for a in overrides if not a.startswith("-")]) or output_dir_error(overrides):
+        jobs = [a for a in overrides if not a.startswith("-")]
+        if error := sweep_error(conf, jobs) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
         sys.argv = [sys.argv[0], *claim_output_dir(overrides)]
+        if runs_jobs_in_parallel(sweep_hydra_config(conf, jobs)):
+            stop_workers_with_this_process()  # a stop reaches the workers; joblib's abort does not end them
     main()

@@ -479,6 +479,43 @@ def test_sigterm_stops_a_sweep_after_checkpointing_its_current_job(tmp_path):
     assert [s["status"] for s in summaries] == ["interrupted"]  # the second job never started
 
 
+def test_sigterm_to_a_parallel_sweeps_parent_stops_its_running_jobs_at_a_checkpoint(tmp_path):
+    """hydra/launcher=local_gpus: the parent alone signalled (as `kill <pid>` does) passes the stop to
+    its workers: each running job checkpoints and records interrupted, the queued job never starts
+    (it left its workers training to the end)."""
+    import os
+
+    sweep = tmp_path / "sweep"
+    tiny = [o for o in TINY_LM if not o.startswith("trainer.threads")]
+    cmd = [sys.executable, "train.py", "-m", f"hydra.sweep.dir={sweep}", "hydra/launcher=local_gpus",
+           "hydra.launcher.n_jobs=2", *tiny, "trainer.max_steps=100000", "trainer.checkpoint_every=20",
+           "trainer.validate_every=0", "trainer.seed=0,1,2"]
+    log = tmp_path / "stderr.txt"  # a file, not a pipe: the workers hold it open after the parent is gone
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=run_env(),
+                            start_new_session=True)  # its workers in its group: killed at the end, whatever happens
+    try:
+        jobs = [sweep / f"seed={seed}" for seed in (0, 1)]
+        deadline = time.time() + 120
+        while time.time() < deadline and not all(any(job.glob("checkpoints/step_*.pt")) for job in jobs):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert "Traceback" not in log.read_text()
+        deadline = time.time() + 60
+        while time.time() < deadline and any(read_summary(job)["status"] == "running" for job in jobs):
+            time.sleep(0.2)
+        for job in jobs:
+            summary = read_summary(job)
+            assert summary["status"] == "interrupted"
+            assert (job / "checkpoints" / f"step_{summary['step']:07d}.pt").is_file()  # where it stopped
+        assert not (sweep / "seed=2").exists()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # joblib's idle workers outlive the parent
+        except ProcessLookupError:
+            pass
+
+
 def test_a_fresh_start_after_a_kill_keeps_none_of_the_killed_attempt(tmp_path):
     """Killed before its first checkpoint: the next start is a fresh run, without the old rows."""
     run = tmp_path / "run"

@@ -239,7 +239,7 @@ def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
             except HydraException:  # glob(): the sweeper expands it against the config
                 continue
             swept.append([f"{override.get_key_element()}={value}" for value in values])
-    if error := _sweep_options_error(config_dir, [*fixed, *(values[0] for values in swept)]):
+    if error := _sweep_options_error(config_dir, overrides):
         return error
     if math.prod(len(values) for values in swept) <= SWEEP_JOBS_CHECKED:
         jobs = [list(job) for job in itertools.product(*swept)]
@@ -254,11 +254,11 @@ def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     return f"the sweep's job {' '.join(swept_values)}: {error}"
 
 
-def _sweep_options_error(config_dir: str, overrides: list[str]) -> Optional[str]:
-    """The parallel launcher's and Optuna's options that would fail the sweep after its directory is
-    made (joblib's n_jobs=0, Optuna's n_trials=0 or an unknown direction), as one line. A SLURM
-    launcher's options are checked against the cluster by experiments.runtime.cluster."""
+def sweep_hydra_config(config_dir: str, overrides: list[str]) -> Optional[DictConfig]:
+    """The `hydra` section a sweep's overrides compose (its launcher, its sweeper), each swept key at
+    its first value; None when they do not compose (the jobs' own composition says why)."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -266,13 +266,31 @@ def _sweep_options_error(config_dir: str, overrides: list[str]) -> Optional[str]
 
     register()  # the schemas the config names, whoever calls first
     try:
+        first = []
+        for override in OverridesParser.create().parse_overrides(overrides):
+            if not override.is_sweep_override():
+                first.append(override.input_line)
+            elif override.is_discrete_sweep():
+                first.append(f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}")
         with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train"):
-            hydra = compose(config_name="config", overrides=overrides, return_hydra_config=True).hydra
+            return compose(config_name="config", overrides=first, return_hydra_config=True).hydra
     except (HydraException, OmegaConfBaseException):
-        return None  # the jobs' own composition says what is wrong
+        return None
+
+
+def runs_jobs_in_parallel(hydra: Optional[DictConfig]) -> bool:
+    """Whether the sweep's launcher runs its jobs in worker processes at once (joblib: local_gpus)."""
+    return hydra is not None and "joblib" in str(hydra.launcher.get("_target_", ""))
+
+
+def _sweep_options_error(config_dir: str, overrides: list[str]) -> Optional[str]:
+    """The parallel launcher's and Optuna's options that would fail the sweep after its directory is
+    made (joblib's n_jobs=0, Optuna's n_trials=0 or an unknown direction), as one line. A SLURM
+    launcher's options are checked against the cluster by experiments.runtime.cluster."""
+    if (hydra := sweep_hydra_config(config_dir, overrides)) is None:
+        return None
     launcher, sweeper = hydra.launcher, hydra.sweeper
-    if "joblib" in str(launcher.get("_target_", "")) and (not isinstance(launcher.get("n_jobs"), int)
-                                                          or launcher.n_jobs == 0):
+    if runs_jobs_in_parallel(hydra) and (not isinstance(launcher.get("n_jobs"), int) or launcher.n_jobs == 0):
         return (f"hydra.launcher.n_jobs={launcher.get('n_jobs')} must be the number of jobs at once (1 or more; "
                 "-1: one a CPU)")
     if "optuna" in str(sweeper.get("_target_", "")):

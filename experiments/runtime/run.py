@@ -189,8 +189,10 @@ class Run:
     # ---- life ----------------------------------------------------------------------------------
 
     def _request_stop(self, signum, frame) -> None:
-        if self.stop_requested:  # a second Ctrl-C stops at once
+        if self.stop_requested and signum == self.stop_signal:  # a second Ctrl-C stops at once
             raise KeyboardInterrupt
+        if self.stop_requested:  # another signal asking the same (Ctrl-C, then a sweep's parent's SIGTERM)
+            return
         log.warning("%s received: checkpointing at the end of this step", signal.Signals(signum).name)
         self.stop_requested = True
         self.stop_signal = signum

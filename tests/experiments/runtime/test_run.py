@@ -39,3 +39,16 @@ def test_failure_in_a_sweep_job_is_recorded_and_swallowed(tmp_path):
         raise RuntimeError("boom")
     assert run.result is None  # no objective: a sweeper records the trial as failed
     assert json.loads(run.summary_path.read_text())["error"] == "RuntimeError: boom"
+
+
+def test_a_second_stop_signal_of_the_same_kind_stops_at_once_another_kind_does_not(tmp_path):
+    """Ctrl-C, then the parallel sweep parent's SIGTERM: one stop at the next checkpoint, not an
+    immediate one; a second Ctrl-C still stops at once."""
+    import signal
+
+    run = Run(tmp_path / "run")
+    run._request_stop(signal.SIGINT, None)
+    run._request_stop(signal.SIGTERM, None)
+    assert run.stop_requested and run.stop_signal == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+        run._request_stop(signal.SIGINT, None)
