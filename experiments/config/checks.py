@@ -226,19 +226,9 @@ def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     from hydra.errors import HydraException
 
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        fixed, swept = _fixed_and_swept(OverridesParser.create().parse_overrides(overrides))
     except HydraException as e:  # a syntax error
         return _one_line(e)
-    fixed, swept = [], []
-    for override in parsed:
-        if not override.is_sweep_override():
-            fixed.append(override.input_line)
-        elif override.is_discrete_sweep():
-            try:
-                values = list(override.sweep_string_iterator())
-            except HydraException:  # glob(): the sweeper expands it against the config
-                continue
-            swept.append([f"{override.get_key_element()}={value}" for value in values])
     if error := _sweep_options_error(config_dir, overrides):
         return error
     if math.prod(len(values) for values in swept) <= SWEEP_JOBS_CHECKED:
@@ -254,6 +244,24 @@ def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     return f"the sweep's job {' '.join(swept_values)}: {error}"
 
 
+def _fixed_and_swept(parsed: list) -> tuple[list[str], list[list[str]]]:
+    """Hydra's parsed overrides -> (the fixed ones, each discrete sweep's `key=value`s); a value a
+    sweeper samples or expands (interval(), glob()) is left to it."""
+    from hydra.errors import HydraException
+
+    fixed, swept = [], []
+    for override in parsed:
+        if not override.is_sweep_override():
+            fixed.append(override.input_line)
+        elif override.is_discrete_sweep():
+            try:
+                values = list(override.sweep_string_iterator())
+            except HydraException:  # glob(): the sweeper expands it against the config
+                continue
+            swept.append([f"{override.get_key_element()}={value}" for value in values])
+    return fixed, swept
+
+
 def sweep_hydra_config(config_dir: str, overrides: list[str]) -> Optional[DictConfig]:
     """The `hydra` section a sweep's overrides compose (its launcher, its sweeper), each swept key at
     its first value; None when they do not compose (the jobs' own composition says why)."""
@@ -266,14 +274,10 @@ def sweep_hydra_config(config_dir: str, overrides: list[str]) -> Optional[DictCo
 
     register()  # the schemas the config names, whoever calls first
     try:
-        first = []
-        for override in OverridesParser.create().parse_overrides(overrides):
-            if not override.is_sweep_override():
-                first.append(override.input_line)
-            elif override.is_discrete_sweep():
-                first.append(f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}")
+        fixed, swept = _fixed_and_swept(OverridesParser.create().parse_overrides(overrides))
         with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train"):
-            return compose(config_name="config", overrides=first, return_hydra_config=True).hydra
+            return compose(config_name="config", overrides=[*fixed, *(values[0] for values in swept)],
+                           return_hydra_config=True).hydra
     except (HydraException, OmegaConfBaseException):
         return None
 

@@ -178,8 +178,8 @@ def _make_fresh_dir(path: str) -> str:
 
 
 def log_to_rank_file(run_dir) -> None:
-    """A rank other than 0 logs to train.rank<k>.log, not rank 0's train.log. `prepare_argv` sees to it
-    for torchrun and srun; a launcher that runs the task in its own process (submitit with
+    """A rank other than 0 logs to train.rank<k>.log, not rank 0's train.log. `claim_output_dir` sees to
+    it for torchrun and srun; a launcher that runs the task in its own process (submitit with
     tasks_per_node > 1) has set Hydra's train.log up for every rank, so it is swapped here."""
     import logging
     from pathlib import Path
