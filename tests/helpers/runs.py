@@ -66,6 +66,17 @@ TINY_DVAE = ["experiment=dvae", *(o.replace("vae.", "model.") for o in TINY_DALL
                                   if not o.startswith(("model.", "task.", "experiment")))]
 
 
+def trainer_section(**kw):
+    """conf/config.yaml's trainer section, typed by its schema, with `kw` over it (what a backend's
+    setup reads)."""
+    from omegaconf import OmegaConf
+
+    from experiments.config.schema import TrainerConfig
+
+    yaml = OmegaConf.load(ROOT / "conf" / "config.yaml").trainer
+    return OmegaConf.merge(OmegaConf.structured(TrainerConfig), yaml, kw)
+
+
 def train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 300,
           base: list[str] = TINY_LM) -> subprocess.CompletedProcess:
     """Run `python train.py` in `run_dir`: the tiny dense model unless `base` says otherwise.

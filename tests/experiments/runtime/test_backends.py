@@ -4,36 +4,30 @@ two runs drift."""
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from experiments.config.schema import Device, Precision, TrainerConfig
+from experiments.config.schema import Device, Precision
 from experiments.runtime.backends import LocalBackend, parallel_job_slot, peak_memory_mb, reset_peak_memory
 from experiments.runtime.errors import UserError
-from tests.helpers.runs import (ROOT, TINY_LM, TINY_NSA, kill_after_first_checkpoint, losses, read_metrics,
-                                read_summary, train)
-
-
-def trainer(**kw):
-    """conf/config.yaml's trainer section, with `kw` over it."""
-    return OmegaConf.merge(OmegaConf.structured(TrainerConfig), OmegaConf.load(ROOT / "conf" / "config.yaml").trainer, kw)
+from tests.helpers.runs import (TINY_LM, TINY_NSA, kill_after_first_checkpoint, losses, read_metrics,
+                                read_summary, train, trainer_section)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
 def test_cuda_without_a_gpu_says_what_to_use():
     with pytest.raises(UserError, match="trainer.device=cuda but no CUDA device"):
-        LocalBackend().setup(trainer(device=Device.cuda))
+        LocalBackend().setup(trainer_section(device=Device.cuda))
 
 
 def test_fp16_needs_cuda():
     with pytest.raises(UserError, match="trainer.precision=fp16 needs a CUDA device"):
-        LocalBackend().setup(trainer(device=Device.cpu, precision=Precision.fp16))
+        LocalBackend().setup(trainer_section(device=Device.cpu, precision=Precision.fp16))
 
 
 def test_setup_seeds_every_generator():
     backend = LocalBackend()
-    backend.setup(trainer(device=Device.cpu, seed=7))
+    backend.setup(trainer_section(device=Device.cpu, seed=7))
     first = torch.rand(3)
-    backend.setup(trainer(device=Device.cpu, seed=7))
+    backend.setup(trainer_section(device=Device.cpu, seed=7))
     assert torch.equal(first, torch.rand(3))
 
 
@@ -70,7 +64,7 @@ def test_deepspeed_config_comes_from_the_trainer_section(tmp_path):
     user.write_text('{"train_micro_batch_size_per_gpu": 99, "zero_optimization": {"reduce_bucket_size": 1000}}')
     backend = DeepSpeedBackend(zero_stage=2, offload_optimizer="cpu", config_file=str(user))
     backend.precision = "bf16"
-    config = backend.deepspeed_config(trainer(batch_size=3, grad_accum=4, clip_grad_norm=0.5))
+    config = backend.deepspeed_config(trainer_section(batch_size=3, grad_accum=4, clip_grad_norm=0.5))
     assert config["train_micro_batch_size_per_gpu"] == 3 and config["gradient_accumulation_steps"] == 4
     assert config["train_batch_size"] == 12 and config["gradient_clipping"] == 0.5
     assert config["bf16"] == {"enabled": True} and config["fp16"]["enabled"] is False
@@ -93,14 +87,14 @@ def test_trainer_compile_names_torch_compiles_mode():
     assert [compile_mode(v) for v in (False, True, "default", "reduce-overhead")] == \
         [None, "default", "default", "reduce-overhead"]
     backend = LocalBackend()
-    backend.setup(trainer(device=Device.cpu, compile=True))
+    backend.setup(trainer_section(device=Device.cpu, compile=True))
     assert backend.compile == "default"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
 def test_cuda_graphs_on_the_cpu_are_refused_in_one_line():
     with pytest.raises(UserError, match="trainer.compile=reduce-overhead replays CUDA graphs and needs a CUDA device"):
-        LocalBackend().setup(trainer(device=Device.cpu, compile="reduce-overhead"))
+        LocalBackend().setup(trainer_section(device=Device.cpu, compile="reduce-overhead"))
 
 
 def test_the_local_backend_in_a_launch_of_several_processes_is_refused_in_one_line(monkeypatch):
@@ -109,14 +103,14 @@ def test_the_local_backend_in_a_launch_of_several_processes_is_refused_in_one_li
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(UserError, match="backend=local trains in one process, and this launch started 2 .*use "
                                         "backend=ddp or backend=deepspeed"):
-        LocalBackend().setup(trainer(device=Device.cpu))
+        LocalBackend().setup(trainer_section(device=Device.cpu))
 
 
 def test_compile_with_deepspeed_is_refused_in_one_line():
     from experiments.runtime.backends import DeepSpeedBackend
 
     with pytest.raises(UserError, match="trainer.compile=default is for backend=local or ddp"):
-        DeepSpeedBackend().setup(trainer(device=Device.cpu, compile=True))
+        DeepSpeedBackend().setup(trainer_section(device=Device.cpu, compile=True))
 
 
 # NSA with two query heads per key head (kv_heads=2): its CPU kernels' training step
@@ -148,9 +142,9 @@ def test_a_compiled_run_trains_as_the_uncompiled_one(tmp_path, base, runs):
 def test_deterministic_switches_torch_to_deterministic_algorithms_and_back():
     backend = LocalBackend()
     try:
-        backend.setup(trainer(device=Device.cpu, deterministic=True))
+        backend.setup(trainer_section(device=Device.cpu, deterministic=True))
         assert torch.are_deterministic_algorithms_enabled()
-        backend.setup(trainer(device=Device.cpu))  # the next job of a sweep, in the same process
+        backend.setup(trainer_section(device=Device.cpu))  # the next job of a sweep, in the same process
         assert not torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)

@@ -3,7 +3,6 @@
 import torch
 
 from experiments.runtime import checkpoint
-from tests.helpers.runs import losses, train
 import math
 import resource
 from types import SimpleNamespace
@@ -13,8 +12,7 @@ from experiments.runtime.backends import LocalBackend
 from experiments.tasks import loop as loop_module
 from experiments.tasks.loop import Loop
 from experiments.tasks.task import Member
-from tests.experiments.runtime.test_backends import trainer
-from tests.helpers.runs import read_metrics, read_summary
+from tests.helpers.runs import losses, read_metrics, read_summary, train, trainer_section
 
 # module paths of the tasks, data and schedules before experiments/ was split into subpackages
 _MOVED = {"experiments.tasks.lm.": "experiments.language_model.", "experiments.data.text.": "experiments.data.",
@@ -56,7 +54,7 @@ class _Task:
 
 def _one_step(batches, grad_accum, clip):
     backend = LocalBackend()
-    backend.setup(trainer(device=Device.cpu, precision=Precision.fp32))
+    backend.setup(trainer_section(device=Device.cpu, precision=Precision.fp32))
     model = _Linear(3, 1, bias=False)
     torch.nn.init.constant_(model.weight, 1.0)
     trainee = backend.prepare("", model, lambda params: torch.optim.SGD(params, lr=1.0))
