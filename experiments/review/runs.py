@@ -213,14 +213,14 @@ def seed_of(run: RunRecord):
 def seed_statistics(runs: list[RunRecord], metric: str) -> list[dict]:
     """Mean and spread of the best metric over seeds, for configurations run with several completed
     seeds. A seed run twice (a rerun in another directory) counts once: its first run in path order."""
-    by_config: dict[tuple, dict] = {}
+    best_by_seed: dict[tuple, dict] = {}  # (fingerprint, configuration) -> {seed: best}
     for r in sorted(runs, key=lambda r: r.path):
         best = r.best(metric)
         if best is not None and r.status == "completed":
-            by_config.setdefault((r.fingerprint, configuration(r)), {}).setdefault(seed_of(r), best)
+            best_by_seed.setdefault((r.fingerprint, configuration(r)), {}).setdefault(seed_of(r), best)
     out = []
     sign = -1 if higher_is_better(metric) else 1
-    by_config = {key: list(seeds.values()) for key, seeds in by_config.items()}
+    by_config = {key: list(seeds.values()) for key, seeds in best_by_seed.items()}
     for (fingerprint, config), values in sorted(by_config.items(), key=lambda kv: sign * statistics.mean(kv[1])):
         if len(values) > 1:
             out.append({"configuration": config, "seeds": len(values), "mean": statistics.mean(values),
