@@ -152,8 +152,11 @@ def _measure_plan(linears: list[nn.Linear], threads: int, candidates: list[str],
     the median pass."""
     weights = list({id(m.weight): m for m in linears}.values())
     plan, medians = {}, {}
+    # inputs of its own generator: a plan is measured once a process, so drawing from the global one
+    # would shift a resumed run's dropout from its first sample on
+    gen = torch.Generator().manual_seed(0)
     for rows, timed_rows in _BUCKETS:
-        inputs = {m.in_features: torch.randn(timed_rows, m.in_features) for m in weights}
+        inputs = {m.in_features: torch.randn(timed_rows, m.in_features, generator=gen) for m in weights}
         times: dict[str, list[float]] = {name: [] for name in candidates}
         for _ in range(rounds + 1):  # the first round warms up
             for name in candidates:

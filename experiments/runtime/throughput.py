@@ -46,8 +46,8 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 0
     """One reading: the fastest of the square matmuls run in `seconds` (size 0: 1024 on a CPU, 8192
     on a GPU, whose rate a small product does not reach)."""
     size = size or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(0)  # the run's random state is the run's alone
+    a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=gen) for _ in range(2))
     best = float("inf")
     deadline = time.perf_counter() + seconds
     for _ in range(3):  # warm-up

@@ -83,6 +83,15 @@ def test_a_measured_plan_names_a_path_for_every_bucket():
     assert set(plan) == {rows for rows, _ in sampling._BUCKETS} and set(plan.values()) <= set(PATHS)
 
 
+def test_measuring_a_plan_leaves_the_global_random_state_alone():
+    """A plan is measured once a process: a draw from the global generator would shift a resumed
+    run's dropout, or a sweep's later job's, from its first sample on."""
+    linears = [nn.Linear(48, 192), nn.Linear(192, 48)]  # shapes no other test measures: no plan kept
+    state = torch.random.get_rng_state()
+    sampling.plan_times(linears, 2)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_nested_contexts_leave_the_outer_one_in_place():
     linear = nn.Linear(16, 32)
     with decoding_linears(linear, plan=every_bucket("vector")):

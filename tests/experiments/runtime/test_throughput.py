@@ -43,3 +43,9 @@ def test_an_unwritable_cache_still_gives_this_reading(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(throughput, "measure_matmul_flops", lambda device, dtype: 42e9)
     assert throughput.matmul_peak_flops(torch.device("cpu")) == 42e9
+
+
+def test_a_matmul_peak_reading_leaves_the_global_random_state_alone():
+    state = torch.random.get_rng_state()
+    assert throughput.measure_matmul_flops(torch.device("cpu"), torch.float32, size=64, seconds=0.01) > 0
+    assert torch.equal(torch.random.get_rng_state(), state)
