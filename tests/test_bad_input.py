@@ -404,6 +404,18 @@ def test_a_refused_rerun_leaves_the_run_byte_identical(tmp_path, completed_run, 
     assert snapshot(run) == before  # summary, metrics, checkpoints, .hydra/: as they were
 
 
+def test_a_refused_rerun_of_a_run_that_never_trained_leaves_it_byte_identical(tmp_path):
+    """A first session that stopped before training (here: its data missing; or killed while the
+    models were built) kept no accepted config aside: a refused rerun still puts its .hydra back."""
+    run = tmp_path / "run"
+    first = train(run, f"data.path={tmp_path / 'missing.txt'}", check=False)
+    assert first.returncode == 1 and (run / ".hydra" / "overrides.yaml").is_file()
+    before = snapshot(run)
+    result = train(run, "trainer.precision=fp16", check=False)  # refused on a CPU
+    assert result.returncode == 1 and "nothing in" in result.stderr
+    assert snapshot(run) == before
+
+
 @pytest.mark.slow
 def test_a_rerun_with_another_backend_leaves_the_run_byte_identical(tmp_path, completed_run):
     run = tmp_path / "run"

@@ -145,7 +145,8 @@ class Run:
 
     def _keep_hydra_files(self) -> None:
         """Copy this session's .hydra/*.yaml aside: Hydra rewrites them on every start, even for a
-        resume that is then refused, which puts back those of the last session accepted."""
+        resume that is then refused, which puts back those of the last session accepted (or of the
+        directory's first session, where none was)."""
         hydra_dir, original = self.dir / HYDRA, self.dir / HYDRA / "original"
         if hydra_dir.is_dir():
             original.mkdir(exist_ok=True)
@@ -200,6 +201,8 @@ class Run:
     def __enter__(self) -> "Run":
         self.dir.mkdir(parents=True, exist_ok=True)
         self.earlier = any(p.exists() for p in (self.summary_path, self.metrics_path, self.checkpoint_dir))
+        if self.is_main and not self.earlier:  # the directory's first session: its config is kept aside
+            self._keep_hydra_files()  # now, so that a refused rerun puts it back even if this one never trains
         if self.is_main:  # until the end says otherwise: "running", with who runs it (for review)
             self.summary.update(pid=os.getpid(), host=socket.gethostname())
             self.write_summary("running")
