@@ -543,10 +543,12 @@ def test_a_fresh_start_after_a_kill_keeps_none_of_the_killed_attempt(tmp_path):
 
 
 def test_a_checkpoint_write_cut_short_leaves_no_temporary_file_after_resume(tmp_path):
+    """Nor a sample's (samples/ are written the same way)."""
     run = tmp_path / "run"
     train(run, "trainer.max_steps=2", "schedule=constant")
     (run / "checkpoints" / ".step_0000003.pt.abcd.tmp").write_bytes(b"cut short")
     (run / ".summary.json.efgh.tmp").write_bytes(b"{")
+    (run / "samples" / ".step_0000003.txt.ijkl.tmp").write_bytes(b"=== gen")
     train(run, "trainer.max_steps=3", "schedule=constant")
     assert not list(run.rglob(".*.tmp")) and json.loads((run / "summary.json").read_text())["step"] == 3
 

@@ -125,7 +125,8 @@ def problems(run_dir: Path, reference: Path) -> list[str]:
         step, key = differ[0]
         found.append(f"{len(differ)} figures differ, first {key} at step {step}: {ours[(step, key)]} vs "
                      f"{theirs[(step, key)]}")
-    if leftovers := sorted(p.name for p in [*run_dir.glob(".*.tmp"), *run_dir.glob("checkpoints/.*.tmp")]):
+    folders = (run_dir, run_dir / "checkpoints", run_dir / "samples")
+    if leftovers := sorted(p.name for folder in folders for p in folder.glob(".*.tmp")):
         found.append(f"temporary files left: {leftovers}")
     for path in checkpoint.list_checkpoints(run_dir / "checkpoints"):
         try:

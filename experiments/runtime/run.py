@@ -140,8 +140,9 @@ class Run:
             return
         self._keep_hydra_files()  # this session's config is the run's now: kept aside from Hydra's rewrites
         self.truncate_metrics(start)
-        for leftover in [*self.dir.glob(".*.tmp"), *self.checkpoint_dir.glob(".*.tmp")]:
-            leftover.unlink(missing_ok=True)
+        for folder in (self.dir, self.checkpoint_dir, self.samples_dir):
+            for leftover in folder.glob(".*.tmp"):
+                leftover.unlink(missing_ok=True)
 
     def _keep_hydra_files(self) -> None:
         """Copy this session's .hydra/*.yaml aside: Hydra rewrites them on every start, even for a
