@@ -416,6 +416,20 @@ def test_a_refused_rerun_of_a_run_that_never_trained_leaves_it_byte_identical(tm
     assert snapshot(run) == before
 
 
+def test_a_resume_on_data_that_changed_under_the_same_path_is_refused(tmp_path):
+    """The same data.path with other bytes in it: the steps after the checkpoint would train on data
+    the run's summary does not name."""
+    text, run = tmp_path / "corpus.txt", tmp_path / "run"
+    text.write_bytes(bytes(range(32, 127)) * 60)
+    train(run, f"data.path={text}", "trainer.max_steps=2", "schedule=constant")
+    text.write_bytes(bytes(range(126, 31, -1)) * 60)
+    before = snapshot(run)
+    result = train(run, f"data.path={text}", "trainer.max_steps=3", "schedule=constant", check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout
+    assert "was trained on other data: corpus.txt" in result.stderr.strip().splitlines()[-1]
+    assert snapshot(run) == before
+
+
 @pytest.mark.slow
 def test_a_rerun_with_another_backend_leaves_the_run_byte_identical(tmp_path, completed_run):
     run = tmp_path / "run"

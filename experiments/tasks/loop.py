@@ -288,7 +288,10 @@ class Loop:
         _set_rng_state(state["rng"])
         step = int(state["step"])
         self.run.continue_wall_clock(float(state["wall_s"]))
-        earlier = {k: v for k, v in state["summary"].items() if k not in ("status", "error", "pid", "host")}
+        # the earlier sessions' figures; what this session has recorded (its machine: device, processor,
+        # threads, matmul peak) describes the session that goes on
+        earlier = {k: v for k, v in state["summary"].items()
+                   if k not in ("status", "error") and k not in self.run.summary}
         self.run.update_summary(**earlier)
         log.info("resumed from %s at step %d", path, step)
         if self.trainer.init_from:
@@ -310,6 +313,13 @@ class Loop:
             raise UserError(
                 f"{path} was trained with a different config ({', '.join(differ)} differ), so this run "
                 f"cannot continue it: use a new {self.run.dir_setting}, or pass the same overrides as before"
+            )
+        trained_on = state.get("data_fingerprint")
+        if trained_on and trained_on != self.data.fingerprint and self._continues(path):  # a file changed in place
+            raise UserError(
+                f"{path} was trained on other data: {trained_on}, where this config now reads "
+                f"{self.data.fingerprint} (name:train+validation size:digest), so this run cannot continue "
+                f"it: put that data back, or use a new {self.run.dir_setting}"
             )
         for prefix, net in nets.items():
             checkpoint.load_weights(net, state, f"{prefix}model", path, built_from_checkpoint=False)

@@ -36,6 +36,15 @@ def test_a_checkpoint_written_before_the_modules_moved_continues(tmp_path):
     assert losses(run) == losses(straight)
 
 
+def test_a_resumed_summary_keeps_the_earlier_figures_and_names_the_machine_that_went_on(tmp_path):
+    run, steps = tmp_path / "run", ["schedule=constant", "trainer.validate_every=1"]
+    train(run, "trainer.max_steps=2", *steps)
+    train(run, "trainer.max_steps=3", "trainer.threads=2", *steps)  # threads may change on a resume
+    summary = read_summary(run)
+    assert summary["step"] == 3 and summary["threads"] == 2
+    assert summary["best_val_loss"] == min(row["val_loss"] for row in read_metrics(run) if "val_loss" in row)
+
+
 class _Linear(torch.nn.Linear):
     def after_optimizer_step(self):
         pass
