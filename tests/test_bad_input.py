@@ -105,6 +105,14 @@ COMPOSITION_CASES = [
     (["model=nope"], "Could not find 'model/nope'; Available options in 'model': dalle; dsa; dvae; moba; nsa"),
     (["trainer.precision=fp8"], "trainer.precision=fp8"),
     (["trainer.cpu_allocator=jemalloc"], "Invalid value 'jemalloc', expected one of [system, caching, pooled]"),
+    # the rules of check_config and of the models' constructors, before a run's directory is made
+    (["model.heads=0"], "model.heads=0 must be at least 1"),
+    (["model.kv_heads=2", "model.heads=3"], "model: heads=3 must be a multiple of kv_heads=2 (GQA groups)"),
+    # groups that do not go together: an image model's ${data.image_size} on text data
+    (["experiment=dalle", "data=text"], "vae.image_size: Interpolation key 'data.image_size' not found: the "
+     "groups chosen do not go together"),
+    (["data.path=${oc.env:SPARSE_ATTENTION_NO_SUCH_VARIABLE}"], "Environment variable "
+     "'SPARSE_ATTENTION_NO_SUCH_VARIABLE' not found\": set it, or give data.path a value"),
 ]
 
 
@@ -112,6 +120,12 @@ COMPOSITION_CASES = [
 def test_composition_errors_are_one_line(overrides, message):
     error = composition_error(str(ROOT / "conf"), overrides)
     assert message in error and "\n" not in error and "+trainer" not in error  # no advice to add the typo
+
+
+def test_a_single_run_that_breaks_a_rule_makes_no_directory(tmp_path):
+    result = train(tmp_path / "run", "model.heads=0", check=False)
+    assert result.returncode == 1 and result.stderr.strip() == "error: model.heads=0 must be at least 1"
+    assert not (tmp_path / "run").exists()
 
 
 SWEEP_CASES = [

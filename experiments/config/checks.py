@@ -14,6 +14,7 @@ from dataclasses import fields
 from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from experiments.config.schema import SCHEMAS, Config, TrainerConfig
 from experiments.runtime.errors import UserError
@@ -120,7 +121,14 @@ def _unknown_keys(cfg: DictConfig) -> list[str]:
 
 def _missing(cfg: DictConfig) -> list[str]:
     hints = {"data.path": "the folder or file to read"}
-    return [f"{key} has no value: set {key}=<{hints.get(key, 'a value')}>" for key in sorted(OmegaConf.missing_keys(cfg))]
+    try:
+        missing = OmegaConf.missing_keys(cfg)
+    except InterpolationResolutionError as e:  # ${...} naming what this config lacks, or an unset variable
+        if "Environment variable" in e.msg:
+            return [f"{e.full_key}: {e.msg.splitlines()[0]}: set it, or give {e.full_key} a value"]
+        return [f"{e.full_key}: {e.msg.splitlines()[0]}: the groups chosen do not go together (an image model "
+                f"reads data.image_size: data=shapes or image_folder), or set {e.full_key}=<a value>"]
+    return [f"{key} has no value: set {key}=<{hints.get(key, 'a value')}>" for key in sorted(missing)]
 
 
 def _out_of_range(cfg: DictConfig) -> list[str]:
@@ -202,8 +210,10 @@ def _key_hint(section: str, key: str, schema: str) -> Optional[str]:
 
 def composition_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     """Hydra's complaint about composing the config with `overrides` (a misspelt key or option, a value
-    of the wrong type), as one line; None when it composes. Hydra would print it over several lines."""
-    failed = _first_failing(config_dir, [overrides])
+    of the wrong type), or a rule of check_config or of the models' constructors that it breaks, as one
+    line; None when it passes. Hydra would print the first over several lines, and the rest would be
+    found in the run directory, made by then."""
+    failed = _first_failing(config_dir, [overrides], check=True)
     return failed and failed[1]
 
 

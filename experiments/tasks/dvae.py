@@ -44,8 +44,11 @@ def vae_validation(vae, batches, score=None) -> dict[str, float]:
 
 def check_images(data, vae, key: str, configurable: bool = True) -> None:
     """The data's images must be the VAE's; `key` names the VAE (its config section if configurable)."""
+    if not hasattr(data, "image_size"):
+        raise UserError(f"{key} reads images, and this data is not images: use data=shapes or data=image_folder")
     if data.image_size != vae.image_size or data.channels != vae.channels:
-        fix = f"set data.image_size={vae.image_size}" + (f" or {key}.image_size={data.image_size}" if configurable else "")
+        knob = "channels" if data.channels != vae.channels else "image_size"
+        fix = f"set data.{knob}={getattr(vae, knob)}" + (f" or {key}.{knob}={getattr(data, knob)}" if configurable else "")
         raise UserError(f"data gives {data.channels}x{data.image_size}x{data.image_size} images but {key} expects "
                         f"{vae.channels}x{vae.image_size}x{vae.image_size}: {fix}")
 

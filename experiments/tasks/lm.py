@@ -33,6 +33,12 @@ class LanguageModelTask(Task):
         self.top_k = top_k
 
     def setup(self, nets):
+        data = self.ctx.data
+        if hasattr(data, "per_sequence") or not hasattr(data, "vocab_size"):  # recall data, or images
+            chosen = self.ctx.run.choices.get("data", type(data).__name__)
+            raise UserError(f"task={self.name} trains on text (data=text, stdlib or enwik8), and data={chosen} "
+                            "is not: use experiment=mqar or passkey for recall data, experiment=dvae or dalle "
+                            "for images")
         for prefix, net in nets.items():
             if not isinstance(net, TransformerLM):
                 raise UserError(f"task={self.name} trains language models, and the {prefix or 'model'} config "

@@ -168,3 +168,19 @@ def test_the_dalle_runs_text_and_image_figures_combine_into_its_loss(tmp_path):
     for loss, text, image in [(r["loss"], r["text_loss"], r["image_loss"]) for r in rows] + [
             (summary["val_loss"], summary["val_text_loss"], summary["val_image_loss"])]:
         assert loss == pytest.approx((text + w * image) / (w + 1), abs=1e-4)
+
+
+def test_a_vae_on_data_that_is_not_its_images_is_refused_naming_the_knob():
+    from types import SimpleNamespace
+
+    from experiments.runtime.errors import UserError
+    from experiments.tasks.dvae import check_images
+
+    vae = SimpleNamespace(image_size=16, channels=3)
+    with pytest.raises(UserError, match="model reads images, and this data is not images: use data=shapes"):
+        check_images(SimpleNamespace(vocab_size=256, seq_len=32), vae, "model")
+    with pytest.raises(UserError, match="data gives 1x16x16 images but model expects 3x16x16: set "
+                                        "data.channels=3 or model.channels=1$"):
+        check_images(SimpleNamespace(image_size=16, channels=1), vae, "model")
+    with pytest.raises(UserError, match="set data.image_size=16 or model.image_size=32$"):
+        check_images(SimpleNamespace(image_size=32, channels=3), vae, "model")
