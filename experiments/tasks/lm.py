@@ -33,6 +33,10 @@ class LanguageModelTask(Task):
         self.top_k = top_k
 
     def setup(self, nets):
+        for prefix, net in nets.items():
+            if not isinstance(net, TransformerLM):
+                raise UserError(f"task={self.name} trains language models, and the {prefix or 'model'} config "
+                                "builds something else: use experiment=dvae or experiment=dalle for image models")
         data = self.ctx.data
         if hasattr(data, "per_sequence") or not hasattr(data, "vocab_size"):  # recall data, or images
             chosen = self.ctx.run.choices.get("data", type(data).__name__)
@@ -40,11 +44,8 @@ class LanguageModelTask(Task):
                             "is not: use experiment=mqar or passkey for recall data, experiment=dvae or dalle "
                             "for images")
         for prefix, net in nets.items():
-            if not isinstance(net, TransformerLM):
-                raise UserError(f"task={self.name} trains language models, and the {prefix or 'model'} config "
-                                "builds something else: use experiment=dvae or experiment=dalle for image models")
             # fewer tokens: an index error at the first step; more: samples of bytes no decoder reads
-            if net.num_tokens != (vocab := self.ctx.data.vocab_size):
+            if net.num_tokens != (vocab := data.vocab_size):
                 section = "draft" if prefix == "draft_" else "model"
                 raise UserError(f"{section}.num_tokens={net.num_tokens} does not match the data's vocabulary of "
                                 f"{vocab} tokens: set {section}.num_tokens={vocab}")
