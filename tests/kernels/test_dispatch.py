@@ -49,3 +49,9 @@ def test_the_constant_mark_is_torchs_own():
     importing Dynamo (so a torch upgrade that changes the mark shows here)."""
     ours, torchs = dispatch.constant_result(lambda: True), torch.compiler.assume_constant_result(lambda: True)
     assert vars(ours) == vars(torchs) and vars(ours)
+
+
+def test_a_tile_side_is_a_power_of_two_within_both_bounds_inclusive():
+    assert [v for v in range(1, 300) if dispatch.power_of_two("side", v, 256, low=16) is None] == [16, 32, 64, 128, 256]
+    assert [v for v in range(-2, 70) if dispatch.power_of_two("side", v, 64) is None] == [1, 2, 4, 8, 16, 32, 64]
+    assert dispatch.power_of_two("side", 512, 256, low=16) == "side=512 must be a power of two from 16 to 256"

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from models.decoding import ENGINES, StaticDecoder, greedy, speculative_greedy
+from models.decoding import ENGINES, StaticDecoder, choose_engine, greedy, speculative_greedy
 from models.lm import nsa_lm, routing_lm, sinkhorn_lm, transformer_lm
 from models.sampling import generate
 from models.transformer import TransformerLM
@@ -115,6 +115,28 @@ def test_what_the_engine_cannot_serve_is_refused_in_one_line():
         engine.step(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="one row at a time"):
         speculative_greedy(engine, engine, torch.zeros(2, 3, dtype=torch.long), 4, 2)
+
+
+def test_an_engine_decodes_up_to_its_capacity_and_not_one_token_more():
+    model = tiny("dense")
+    tokens = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(1))
+    engine = StaticDecoder(model, 1, 8)
+    with torch.no_grad():
+        full = model(tokens[:, :8])
+        engine.prefill(tokens[:, :6])
+        torch.testing.assert_close(engine.step(tokens[:, 6:8]), full[:, 6:8], rtol=0, atol=1e-10)  # exactly full
+        with pytest.raises(ValueError, match="overflows the cache's capacity of 8 positions"):
+            engine.step(tokens[:, 8:9])
+        engine.rollback(7)
+        torch.testing.assert_close(engine.step(tokens[:, 7:8]), full[:, 7:8], rtol=0, atol=1e-10)
+
+
+def test_auto_replays_graphs_only_for_greedy_decoding_on_cuda():
+    """choose_engine reads only the device's type: no GPU is needed to ask it about one."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert choose_engine("auto", cuda, 0.0) == "graphs"
+    assert choose_engine("auto", cuda, 0.8) == "cache"  # sampling: graphs decode greedily only
+    assert choose_engine("auto", cpu, 0.0) == choose_engine("auto", cpu, 0.8) == "cache"
 
 
 def test_the_configs_engines_are_the_engines():

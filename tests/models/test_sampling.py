@@ -141,6 +141,51 @@ def test_sliced_linears_keep_autograd_and_the_weights():
     assert x.grad is not None and torch.equal(linear.weight, weight)
 
 
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_with_gradients_on_every_path_gives_nn_linears_gradients(path):
+    if path == "kernel" and not few_row_linear.available():
+        pytest.skip("no C compiler: the kernel path is the plain product here")
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 32)
+    x = torch.randn(2, 16, requires_grad=True)
+    nn.functional.linear(x, linear.weight, linear.bias).square().sum().backward()
+    expected = [t.grad.clone() for t in (x, linear.weight, linear.bias)]
+    for t in (x, linear.weight, linear.bias):
+        t.grad = None
+    with decoding_linears(linear, plan=every_bucket(path)):
+        linear(x).square().sum().backward()
+    for got, want in zip((x.grad, linear.weight.grad, linear.bias.grad), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_each_bucket_takes_the_path_its_plan_names(monkeypatch):
+    """One row (a decoding step), 2-4 rows, 5-16 rows: each through its own bucket's path."""
+    calls = []
+
+    def spy(name, product):
+        def path(x, w, b, threads):
+            calls.append((name, x.shape[0]))
+            return product(x, w, b, threads)
+        return path
+
+    for name, product in list(sampling._PATHS.items()):
+        monkeypatch.setitem(sampling._PATHS, name, spy(name, product))
+    linear = nn.Linear(16, 32)
+    with torch.no_grad(), decoding_linears(linear, plan={1: "vector", 4: "matrix", 16: "plain"}):
+        for rows in (1, 2, 4, 5, 16, 17):
+            linear(torch.randn(rows, 16))
+    assert calls == [("vector", 1), ("matrix", 2), ("matrix", 4), ("plain", 5), ("plain", 16)]  # 17: nn.Linear's
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_top_k_leaves_exactly_k_tokens_a_chance_at_any_temperature(temperature):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    probs = sampling.probabilities(logits, temperature, top_k=5)
+    assert torch.equal(probs > 0, sampling.filter_top_k(logits, 5) > float("-inf"))
+    assert ((probs > 0).sum(-1) == 5).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+
+
 @pytest.mark.parametrize("path", ["vector", "matrix", "kernel", None])  # None: the plan measured here
 def test_generate_with_planned_linears_equals_module_by_module_decoding(path):
     torch.manual_seed(0)

@@ -42,6 +42,16 @@ def test_cached_decoding_equals_parallel_forward():
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("reversible", [False, True])
+def test_the_logits_read_the_final_norms_output(reversible):
+    model = tiny_dense(reversible=reversible)
+    x = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        before = model(x)
+        model.norm.weight.mul_(torch.linspace(0.5, 2.0, len(model.norm.weight)))
+        assert not torch.allclose(model(x), before)
+
+
 def test_filter_top_k_keeps_the_k_largest():
     logits = torch.tensor([[1.0, 5.0, 3.0, 4.0]])
     kept = filter_top_k(logits, 2)

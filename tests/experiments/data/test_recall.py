@@ -49,6 +49,38 @@ def test_mqar_pairs_start_anywhere_up_to_the_offset_and_needles_find_them():
     assert (needles[targets == IGNORE] == -1).all()
 
 
+@pytest.mark.parametrize("random_non_queries", [True, False])
+def test_what_pairs_and_queries_leave_is_random_tokens_or_zeros(random_non_queries):
+    data = mqar(num_kv_pairs=4, random_non_queries=random_non_queries)
+    inputs, targets, _ = data.train_batch(8, seed=0, step=0)
+    asked = (targets != IGNORE).nonzero()
+    used = torch.zeros_like(inputs, dtype=torch.bool)
+    used[:, : 2 * data.num_kv_pairs] = True  # the pairs
+    used[asked[:, 0], asked[:, 1]] = True  # each query's key; its value follows
+    used[asked[:, 0], (asked[:, 1] + 1).clamp(max=inputs.shape[1] - 1)] = True
+    rest = inputs[~used]
+    if random_non_queries:
+        assert len(rest.unique()) > data.vocab_size // 2
+    else:
+        assert (rest == 0).all()
+
+
+def test_mqar_pairs_start_at_every_offset_up_to_the_largest():
+    data = mqar(vocab_size=8192, num_kv_pairs=4, max_pairs_offset=3)
+    inputs, targets, _ = data.train_batch(64, seed=0, step=0)
+    needles = data.needles(inputs, targets)
+    starts = {int(found[y != IGNORE].min()) - 1 for y, found in zip(targets, needles)}
+    assert starts == {0, 1, 2, 3}
+
+
+def test_queries_reach_every_slot_that_fits_up_to_the_last_token():
+    """An odd seq_len leaves the last input and target a whole query: the farthest slot is drawn too."""
+    data = mqar(seq_len=15, num_kv_pairs=2, power_a=1.0)  # slots drawn uniformly
+    _, targets, _ = data.train_batch(64, seed=0, step=0)
+    positions = set((targets != IGNORE).nonzero()[:, 1].tolist())
+    assert positions == set(range(2 * data.num_kv_pairs, data.seq_len, 2))
+
+
 def test_mqar_query_gaps_follow_a_power_law():
     data = mqar(vocab_size=512, seq_len=256, num_kv_pairs=4)
     _, targets, _ = data.train_batch(256, seed=0, step=0)
@@ -99,6 +131,20 @@ def test_every_passkey_answer_is_the_number_hidden_at_its_depth():
             assert text.endswith("What is the pass key? The pass key is " + answer[:-1])
     depths = torch.cat([b[2] for b in data.val_batches(2, 8)])
     assert torch.bincount(depths, minlength=4).tolist() == [4, 4, 4, 4]  # every bin equally often
+
+
+def test_passkeys_are_random_digits_in_random_filler():
+    data = passkey()
+    inputs, targets, _ = data.train_batch(8, seed=0, step=0)
+    keys = [bytes(y[y != IGNORE].tolist()).decode() for y in targets]
+    assert len(set(keys)) == len(keys) and any(len(set(key)) > 1 for key in keys)  # not one digit repeated
+    fillers = set()
+    for x, y, key in zip(inputs, targets, keys):
+        text = bytes(torch.cat((x, y[-1:])).tolist())  # the whole item, its last digit included
+        needle, question = data._needle(key).encode(), (data._QUESTION + key).encode()
+        assert text.count(needle) == 1 and text.endswith(question)
+        fillers.add(text[: -len(question)].replace(needle, b""))
+    assert len(fillers) == len(keys)  # every row its own stretch of filler
 
 
 def test_passkey_depth_bins_place_the_needle():

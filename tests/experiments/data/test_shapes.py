@@ -48,3 +48,34 @@ def test_captions_round_trip_through_the_tokenizer_and_prompts_are_fixed():
         words = data.tokenizer.decode(row)
         assert words.startswith("a ") and parse(words)["colour"] in COLOURS
     assert data.prompts(5) == Shapes().prompts(5)
+
+
+def test_a_shape_lies_where_its_caption_puts_it():
+    """Its foreground's centroid is in the half the caption names (top, left...) or the middle third."""
+    data = Shapes(image_size=16)
+    text, images = data.train_batch(64, seed=0, step=0)
+    for row, image in zip(text, images):
+        *_, vertical, horizontal = data.tokenizer.decode(row).split()
+        y, x = (image.amax(0) > 0).nonzero().float().add(0.5).mean(0) / data.image_size
+        for place, at in ((vertical, y), (horizontal, x)):
+            if place in ("top", "left"):
+                assert at < 0.5
+            elif place in ("bottom", "right"):
+                assert at > 0.5
+            else:
+                assert abs(at - 0.5) < 1 / 6
+
+
+def test_validation_batches_differ_from_each_other_and_repeat_on_every_call():
+    data = Shapes(image_size=16)
+    first, second = data.val_batches(2, 4)
+    assert not torch.equal(first[1], second[1])
+    again = list(data.val_batches(2, 4))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip((first, second), again))
+
+
+def test_a_large_shape_covers_more_pixels_than_a_small_one():
+    for shape in SHAPES:
+        large, small = (int((draw(32, size, "red", shape, "middle", "center").max(0) > 0).sum())
+                        for size in ("large", "small"))
+        assert large > small > 0

@@ -107,3 +107,15 @@ def test_an_unwritable_cache_folder_only_costs_a_rebuild(tmp_path):
     blocker.write_text("not a folder")
     data = InterpreterStdlib(seq_len=64, cache_dir=str(blocker / "cache"))  # cannot be created under a file
     assert len(data.train) > 1_000_000
+
+
+def test_validation_crops_and_the_prime_come_from_the_validation_split_alone(tmp_path):
+    """Training bytes lie below 128, validation bytes at or above it: no crop of one is a crop of the other."""
+    path = tmp_path / "halves.txt"
+    rng = np.random.default_rng(0)
+    path.write_bytes(rng.integers(0, 128, 500, dtype=np.uint8).tobytes()
+                     + rng.integers(128, 256, 500, dtype=np.uint8).tobytes())
+    data = ByteText(seq_len=16, path=str(path), val_fraction=0.5)
+    assert (data.train < 128).all() and (data.val >= 128).all()
+    assert all((batch >= 128).all() for batch in data.val_batches(3, 4))
+    assert all((data.prime(20, index) >= 128).all() for index in range(3))

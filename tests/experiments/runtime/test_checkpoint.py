@@ -47,9 +47,18 @@ def test_weights_that_do_not_fit_get_one_clear_message(tmp_path):
     checkpoint.load_weights(torch.nn.Linear(3, 4, bias=False), state, "model", tmp_path / "ckpt.pt")
 
 
+def test_weights_the_model_has_no_place_for_are_refused_by_name(tmp_path):
+    state = {"model": {**torch.nn.Linear(3, 4).state_dict(), "gate.weight": torch.zeros(4)}}
+    for built_from_checkpoint in (True, False):
+        with pytest.raises(UserError, match=r"unexpected: gate\.weight"):
+            checkpoint.load_weights(torch.nn.Linear(3, 4), state, "model", tmp_path / "ckpt.pt",
+                                    built_from_checkpoint=built_from_checkpoint)
+
+
 def test_resolve_finds_the_latest_in_a_run_directory(tmp_path):
-    checkpoint.save({"step": 5}, tmp_path / "checkpoints")
-    assert checkpoint.resolve(tmp_path).name == "step_0000005.pt"
+    for step in (5, 9, 10):
+        checkpoint.save({"step": step}, tmp_path / "checkpoints", keep=3)
+    assert checkpoint.resolve(tmp_path).name == "step_0000010.pt"
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no checkpoint found"):
         checkpoint.resolve(tmp_path / "empty")

@@ -26,6 +26,13 @@ def test_summary_records_completion(tmp_path):
     assert summary["status"] == "completed" and summary["step"] == 3 and summary["error"] is None
 
 
+def test_a_resumed_runs_wall_time_counts_its_earlier_sessions(tmp_path):
+    with Run(tmp_path) as run:
+        run.continue_wall_clock(100.0)  # what the checkpoint recorded
+        assert 100.0 <= run.wall_s() < 160.0
+    assert 100.0 <= json.loads(run.summary_path.read_text())["wall_s"] < 160.0
+
+
 def test_user_error_in_a_single_run_exits_with_the_message(tmp_path):
     with pytest.raises(SystemExit, match="error: bad value"):
         with Run(tmp_path):
