@@ -9,6 +9,7 @@ same fixed crops in every run, so val_loss is comparable across runs and seeds.
 import gzip
 import hashlib
 import os
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Iterator, Optional
@@ -84,7 +85,7 @@ class ByteText(ByteData):
         if path is None:
             data, name = corpus.snapshot(), corpus.SNAPSHOT
         else:
-            data, name = read_bytes(Path(path), key="data.path"), Path(path).name
+            data, name = read_bytes(Path(path), key="data.path"), Path(path).expanduser().name
         super().__init__(*split_from_the_end(data, val_fraction), seq_len, name)
 
 
@@ -94,7 +95,7 @@ class InterpreterStdlib(ByteData):
 
     def __init__(self, seq_len: int, val_fraction: float = 0.1, cache_dir: Optional[str] = None):
         check_val_fraction(val_fraction)
-        data = corpus.interpreter_stdlib(Path(cache_dir or default_cache_dir()))
+        data = corpus.interpreter_stdlib(Path(cache_dir).expanduser() if cache_dir else default_cache_dir())
         super().__init__(*split_from_the_end(data, val_fraction), seq_len, corpus.interpreter_name())
 
 
@@ -106,8 +107,8 @@ class Enwik8(ByteData):
             Path(path),
             key="data.path",
             limit=train_bytes + val_bytes,
-            hint="download http://mattmahoney.net/dc/enwik8.zip, unzip it (gzip is fine too) and "
-            "pass data.path=<file>",
+            hint="download http://mattmahoney.net/dc/enwik8.zip and pass data.path=<that file> (unzipped "
+            "or gzipped is fine too)",
         )
         if len(data) < train_bytes + val_bytes:  # a short file would leave validation short or empty
             raise UserError(f"data.path={path} holds {len(data):,} bytes, fewer than data.train_bytes + "
@@ -133,20 +134,36 @@ def default_cache_dir() -> Path:
 
 
 def read_bytes(path: Path, *, key: str, limit: Optional[int] = None, hint: str = "") -> np.ndarray:
-    """A file's bytes as uint8 (gzip-compressed files by their .gz suffix)."""
+    """A file's bytes as uint8: gzip (by its .gz suffix or its first bytes) and a zip archive of one
+    file (enwik8.zip as downloaded) are read decompressed, anything else as raw bytes."""
+    path = path.expanduser()
     if path.is_dir():
         raise UserError(f"{key}={path} is a directory: give the file to read")
     if not path.is_file():
         raise UserError(f"{key}={path}: no such file: {hint or 'check the path'}")
+    size, magic = -1 if limit is None else limit, b""
     try:
-        if path.suffix == ".gz":
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if path.suffix.lower() == ".gz" or magic[:2] == b"\x1f\x8b":
             with gzip.open(path, "rb") as f:
-                raw = f.read(-1 if limit is None else limit)
+                raw = f.read(size)
+        elif magic == b"PK\x03\x04":
+            with zipfile.ZipFile(path) as archive:
+                files = [m for m in archive.infolist() if not m.is_dir()]
+                if len(files) != 1:
+                    raise UserError(f"{key}={path} is a zip archive of {len(files)} files: unzip it and give "
+                                    "the one to read")
+                with archive.open(files[0]) as f:
+                    raw = f.read(size)
         else:
             with open(path, "rb") as f:
-                raw = f.read(-1 if limit is None else limit)
-    except (OSError, EOFError, zlib.error) as e:  # not gzip, cut short, unreadable
-        what = "a complete gzip file" if path.suffix == ".gz" else "readable"
-        raise UserError(f"{key}={path} is not {what} ({e}): give an intact file (a .gz is read as gzip, "
-                        "anything else as raw bytes)") from None
+                raw = f.read(size)
+    except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as e:  # not gzip, cut short, unreadable
+        what = "a complete gzip file" if path.suffix.lower() == ".gz" or magic[:2] == b"\x1f\x8b" else \
+            "a complete zip archive" if magic == b"PK\x03\x04" else "readable"
+        raise UserError(f"{key}={path} is not {what} ({e}): give an intact file (gzip and zip are read "
+                        "decompressed, anything else as raw bytes)") from None
+    if not raw:
+        raise UserError(f"{key}={path} is empty: give a file with text in it")
     return np.frombuffer(raw, dtype=np.uint8).copy()

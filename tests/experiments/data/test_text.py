@@ -90,6 +90,41 @@ def test_enwik8_split_as_the_seeds(tmp_path):
         Enwik8(seq_len=8, path=str(path), train_bytes=1000, val_bytes=500)  # validation would be short
 
 
+def _zipped(path, *members):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members:
+            archive.writestr(name, data)
+
+
+@pytest.mark.parametrize("name,write", [
+    ("enwik8.zip", lambda path, raw: _zipped(path, ("enwik8", raw))),  # as downloaded
+    ("enwik8.GZ", lambda path, raw: path.write_bytes(gzip.compress(raw))),
+    ("enwik8", lambda path, raw: path.write_bytes(gzip.compress(raw))),  # gzip by its first bytes alone
+])
+def test_compressed_files_are_read_decompressed_whatever_their_name(tmp_path, name, write):
+    raw = np.random.default_rng(0).integers(0, 256, 1200, dtype=np.uint8).tobytes()
+    write(tmp_path / name, raw)
+    data = Enwik8(seq_len=8, path=str(tmp_path / name), train_bytes=900, val_bytes=100)
+    assert bytes(data.train.numpy()) == raw[:900] and bytes(data.val.numpy()) == raw[900:1000]
+
+
+def test_files_that_hold_no_text_to_read_are_refused_naming_data_path(tmp_path):
+    _zipped(tmp_path / "two.zip", ("a.txt", b"a" * 100), ("b.txt", b"b" * 100))
+    with pytest.raises(UserError, match=r"data.path=.*two.zip is a zip archive of 2 files: unzip it"):
+        ByteText(seq_len=8, path=str(tmp_path / "two.zip"))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(UserError, match=r"data.path=.*empty.txt is empty"):
+        ByteText(seq_len=8, path=str(tmp_path / "empty.txt"))
+
+
+def test_a_path_from_home_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "notes.txt").write_bytes(b"hello world " * 100)
+    assert ByteText(seq_len=8, path="~/notes.txt").name == "notes.txt"
+
+
 def test_missing_file_says_where_to_get_it(tmp_path):
     with pytest.raises(UserError, match=r"data.path=.*no such file.*mattmahoney"):
         Enwik8(seq_len=8, path=str(tmp_path / "enwik8.gz"))
