@@ -228,7 +228,7 @@ def test_image_folders_shards_and_tokenizers(tmp_path):
     for i in range(3):
         (junk / f"{i}.png").write_bytes(b"not a png")
         (junk / f"{i}.txt").write_text("a red circle")
-    with pytest.raises(UserError, match=f"data.path={junk}: none of its 3 images can be read"):
+    with pytest.raises(UserError, match=f"data.path={junk}: none of its training split's 2 images can be read"):
         image_folder(junk)
     shards = tmp_path / "shards"
     shards.mkdir()

@@ -6,7 +6,8 @@ Layouts (those of the DALL-E seed):
 - tar shards in the WebDataset layout: members grouped by the name before the first dot
   (`0001.jpg` + `0001.txt`); `path` is one .tar or a folder of them.
 
-An image without a caption (or with an empty one) is left out, with one warning that counts them.
+An image without a caption (or with an empty one) is left out, with one warning that counts them;
+captions are UTF-8. A folder of both loose images and shards, or two images of one caption, is refused.
 Every caption is tokenized once at start, so a caption longer than text_seq_len is an error naming
 it before any training (or is cut, with truncate_captions=true). An image that cannot be decoded is
 skipped with a warning when first met, and the next one in order takes its place.
@@ -35,7 +36,7 @@ from experiments.data.tokenizer import BPETokenizer, ByteTokenizer, tokenize
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif"}
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff"}
 
 
 class _Item:
@@ -55,18 +56,25 @@ class ImageTextFolder:
             raise UserError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1")
         if channels not in (1, 3, 4):
             raise UserError(f"data.channels={channels} must be 1 (L), 3 (RGB) or 4 (RGBA)")
-        root = Path(path)
+        root = Path(path).expanduser()
         if not root.exists():
             raise UserError(f"data.path={path}: no such folder or tar file")
+        if root.is_file() and not tarfile.is_tarfile(root):
+            raise UserError(f"data.path={path} is a file but not a tar shard: give the folder of captioned "
+                            "images (or a .tar of them)")
         self.image_size, self.text_seq_len, self.channels = image_size, text_seq_len, channels
         self.resize_ratio, self.truncate = resize_ratio, truncate_captions
         self.mode = {1: "L", 3: "RGB", 4: "RGBA"}[channels]
         self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else BPETokenizer(tokenizer)
         shards = [root] if root.is_file() else sorted(root.rglob("*.tar"))
+        if shards and root.is_dir() and (loose := next(_images_in(root), None)):
+            raise UserError(f"data.path={path} holds tar shards and loose images ({loose.relative_to(root)}), "
+                            "and only the shards would be read: point data.path at a folder of one kind")
         items = self._from_tars(shards) if shards else self._from_folder(root)
         if len(items) < 2:
             raise UserError(f"data.path={path}: found {len(items)} captioned images; need at least 2 "
-                            "(image files with same-stem .txt captions, or .tar shards of them)")
+                            f"(images ({', '.join(sorted(IMAGE_SUFFIXES))}) with same-stem .txt captions, "
+                            "or .tar shards of them)")
         self._tokens = {item.key: [self._tokenize(c, item.key) for c in item.captions] for item in items}
         self.root = root
         n_val = max(1, int(len(items) * val_fraction))
@@ -77,16 +85,21 @@ class ImageTextFolder:
         digest = hashlib.sha256("\n".join(f"{i.key}:{i.size}:{'|'.join(i.captions)}" for i in items).encode())
         self.fingerprint = f"{self.name}:{len(self.train_items)}+{n_val}:{digest.hexdigest()[:16]}"
         log.info("data %s: %d captioned images (%d for validation)", path, len(items), n_val)
-        self._image(items, 0, None)  # one readable image at least, or say so now rather than at step 1
+        for split, part in (("training", self.train_items), ("validation", self.val_items)):
+            self._image(part, 0, None, split)  # a readable image in each, or say so now rather than mid-run
 
     # ---- indexing
 
     def _from_folder(self, root: Path) -> list[_Item]:
-        images = {p.with_suffix(""): p for p in sorted(root.rglob("*")) if p.suffix.lower() in IMAGE_SUFFIXES}
+        images: dict[Path, Path] = {}
+        for image in _images_in(root):
+            if (other := images.setdefault(image.with_suffix(""), image)) != image:
+                raise UserError(f"data.path={root}: {other.relative_to(root)} and {image.relative_to(root)} share "
+                                f"one caption ({image.with_suffix('.txt').name}): rename one of them")
         items, missing = [], 0
         for stem, image in images.items():
             text = stem.with_suffix(".txt")
-            captions = _lines(text.read_text(errors="replace")) if text.is_file() else []
+            captions = _lines(_caption_text(text.read_bytes(), text)) if text.is_file() else []
             if not captions:
                 missing += 1
                 continue
@@ -95,6 +108,9 @@ class ImageTextFolder:
         if missing:
             log.warning("%d of %d images in %s have no caption (.txt beside them) and are left out",
                         missing, len(images), root)
+        if orphans := sum(1 for p in root.rglob("*.txt") if p.with_suffix("") not in images):
+            log.warning("%d captions in %s have no image beside them (%s) and are left out", orphans, root,
+                        ", ".join(sorted(IMAGE_SUFFIXES)))
         return items
 
     def _from_tars(self, shards: list[Path]) -> list[_Item]:
@@ -108,10 +124,12 @@ class ImageTextFolder:
                             folder, _, name = member.name.rpartition("/")
                             stem, _, ext = name.partition(".")
                             groups.setdefault(f"{folder}/{stem}" if folder else stem, {})[f".{ext.lower()}"] = member
-                    texts = {key: tar.extractfile(g[".txt"]).read().decode(errors="replace")
+                    texts = {key: _caption_text(tar.extractfile(g[".txt"]).read(), f"{shard}/{key}.txt")
                              for key, g in groups.items() if ".txt" in g}
             except (tarfile.TarError, OSError, EOFError) as e:
-                raise UserError(f"data.path: {shard} is not a readable tar shard ({e}): replace or remove it") from None
+                reason = str(e).splitlines()[0].rstrip(":")
+                raise UserError(f"data.path: {shard} is not a readable tar shard ({reason}): replace or remove "
+                                "it") from None
             for key, group in sorted(groups.items()):
                 image = next((m for ext, m in group.items() if ext in IMAGE_SUFFIXES), None)
                 if image is None:
@@ -134,22 +152,23 @@ class ImageTextFolder:
 
     # ---- batches
 
-    def _image(self, items: list[_Item], index: int, gen: Optional[torch.Generator]) -> tuple[_Item, Tensor]:
+    def _image(self, items: list[_Item], index: int, gen: Optional[torch.Generator],
+               split: str = "") -> tuple[_Item, Tensor]:
         """The image at `index`, or the next readable one; randomly cropped when gen is given."""
         for offset in range(len(items)):
             item = items[(index + offset) % len(items)]
             if item.key in self._bad:
                 continue
             try:
-                image = Image.open(io.BytesIO(item.read_image()))
-                image = image.convert(self.mode)
-            except (UnidentifiedImageError, OSError, ValueError) as e:
+                image = _eight_bit(Image.open(io.BytesIO(item.read_image()))).convert(self.mode)
+            except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
                 log.warning("skipping %s: the image cannot be read (%s)", item.key, e)
                 self._bad.add(item.key)
                 continue
             return item, self._crop(image, gen)
-        raise UserError(f"data.path={self.root}: none of its {len(items)} images can be read (see the warnings above): "
-                        "give a folder of PNG/JPEG images with same-stem .txt captions")
+        where = f"its {split} split's" if split else "its"
+        raise UserError(f"data.path={self.root}: none of {where} {len(items)} images can be read (see the warnings "
+                        "above): give a folder of PNG/JPEG images with same-stem .txt captions")
 
     def _crop(self, image: Image.Image, gen: Optional[torch.Generator]) -> Tensor:
         """A square crop resized to image_size -> [channels, size, size] in [0, 1]."""
@@ -191,6 +210,28 @@ class ImageTextFolder:
 
     def prompts(self, n: int) -> list[str]:
         return [self.val_items[i % len(self.val_items)].captions[0] for i in range(n)]
+
+
+def _images_in(root: Path) -> Iterator[Path]:
+    return (p for p in sorted(root.rglob("*")) if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+
+def _caption_text(raw: bytes, where) -> str:
+    """A caption file's text: UTF-8 (a byte-order mark dropped); anything else is refused, naming the
+    file, rather than trained on as replacement characters."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UserError(f"data.path: the caption {where} is not UTF-8 (byte {e.start}): save it as UTF-8") from None
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """16- and 32-bit greyscale scaled to 8 bits (PIL's convert clips them at 255: all but black is white)."""
+    if image.mode.startswith("I;16") or image.mode == "I":
+        array = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") or array.max() <= 65535 else float(array.max())
+        return Image.fromarray(np.clip(np.round(array / top * 255), 0, 255).astype(np.uint8), "L")
+    return image
 
 
 def _lines(text: str) -> list[str]:

@@ -120,3 +120,108 @@ def test_a_trained_bpe_tokenizer_is_an_option_and_rebuilds_from_its_spec(folder,
     assert rebuilt.encode("a red picture") == data.tokenizer.encode("a red picture")
     with pytest.raises(UserError, match="no such tokenizer file"):
         ImageTextFolder(str(folder), tokenizer=str(tmp_path / "missing.json"))
+
+
+def test_what_a_folder_cannot_say_plainly_is_refused_in_one_line(tmp_path, folder):
+    """Loose images beside tar shards (only the shards would be read), two images of one caption, a
+    caption that is not UTF-8, a single image file as the path."""
+    with tarfile.open(folder / "backup.tar", "w") as tar:
+        info = tarfile.TarInfo("z.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"z"))
+    with pytest.raises(UserError, match="holds tar shards and loose images .*point data.path at a folder of one kind"):
+        ImageTextFolder(str(folder))
+    (folder / "backup.tar").unlink()
+    (folder / "img0.jpg").write_bytes(png("red"))
+    with pytest.raises(UserError, match=r"img0.jpg and img0.png share one caption \(img0.txt\): rename one"):
+        ImageTextFolder(str(folder))
+    (folder / "img0.jpg").unlink()
+    (folder / "img1.txt").write_bytes("café crème".encode("latin-1"))
+    with pytest.raises(UserError, match=r"the caption .*img1.txt is not UTF-8 \(byte 3\): save it as UTF-8"):
+        ImageTextFolder(str(folder))
+    with pytest.raises(UserError, match="is a file but not a tar shard: give the folder"):
+        ImageTextFolder(str(folder / "img0.png"))
+
+
+def test_a_byte_order_mark_tiff_images_and_sixteen_bit_grey_read_as_they_look(tmp_path):
+    ramp = np.tile(np.linspace(0, 65535, 32).astype(np.uint16), (32, 1))
+    Image.fromarray(ramp).save(tmp_path / "grey16.png")  # PIL reads it as mode I;16 or I
+    (tmp_path / "grey16.txt").write_bytes("\ufeffa grey ramp".encode("utf-8"))
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "red.tif")
+    (tmp_path / "red.txt").write_text("a red tiff")
+    data = ImageTextFolder(str(tmp_path), image_size=32, text_seq_len=16, val_fraction=0.5, channels=1)
+    assert sorted(item.key for item in data.train_items + data.val_items) == ["grey16", "red"]
+    grey = next(i for i in data.train_items + data.val_items if i.key == "grey16")
+    assert grey.captions == ["a grey ramp"]
+    _, image = data._image([grey], 0, None)
+    torch.testing.assert_close(image[0, 0], torch.linspace(0, 1, 32), atol=0.02, rtol=0)  # not clipped to white
+
+
+def test_each_split_needs_a_readable_image_before_any_training(folder):
+    (folder / "img3.png").write_bytes(b"not an image")  # the one validation item
+    with pytest.raises(UserError, match="none of its validation split's 1 images can be read"):
+        ImageTextFolder(str(folder), image_size=8, text_seq_len=32, val_fraction=0.25)
+
+
+def quadrants(path, size=(60, 40)):
+    """A landscape image: left third red, middle third green, right third blue; top rows brighter."""
+    array = np.zeros((size[1], size[0], 3), dtype=np.uint8)
+    third = size[0] // 3
+    for c in range(3):
+        array[:, c * third:(c + 1) * third, c] = 255
+    array[: size[1] // 2] //= 2  # the top half darker
+    Image.fromarray(array).save(path)
+
+
+def test_validation_takes_the_centre_square_the_right_way_up(tmp_path):
+    for name in ("a", "b"):
+        quadrants(tmp_path / f"{name}.png")
+        (tmp_path / f"{name}.txt").write_text("thirds")
+    data = ImageTextFolder(str(tmp_path), image_size=40, text_seq_len=8, val_fraction=0.5)
+    _, images = next(data.val_batches(1, 1))
+    image = images[0]  # the centre 40x40 of 60x40: 10 columns of red, 20 green, 10 blue
+    assert image.shape == (3, 40, 40)
+    channel_of_column = image.mean(1).argmax(0)  # [40]: which colour each column is
+    assert channel_of_column[:8].eq(0).all() and channel_of_column[12:28].eq(1).all() and channel_of_column[32:].eq(2).all()
+    assert image.amax(0)[:15].mean() < image.amax(0)[25:].mean()  # darker on top: not transposed or flipped
+
+
+def test_training_crops_cover_between_resize_ratio_and_all_of_the_image(tmp_path):
+    """Each crop's side is read back from an image whose columns count up: the span of values it holds."""
+    ramp = np.tile(np.arange(200, dtype=np.uint8), (200, 1))  # column x holds the value x
+    for name in ("a", "b"):
+        Image.fromarray(np.stack([ramp] * 3, -1)).save(tmp_path / f"{name}.png")
+        (tmp_path / f"{name}.txt").write_text("a ramp")
+    data = ImageTextFolder(str(tmp_path), image_size=64, text_seq_len=8, val_fraction=0.5, resize_ratio=0.5)
+    sides = []
+    for step in range(40):
+        _, images = data.train_batch(1, seed=0, step=step)
+        row = images[0, 0, 32] * 255
+        sides.append(float(row[-2] - row[1]) * 64 / 61)  # ~ the crop's side in pixels
+    areas = [side * side / (200 * 200) for side in sides]
+    assert min(areas) > 0.5 * 0.9 and max(areas) <= 1.02
+    assert max(areas) - min(areas) > 0.2  # drawn across the range, not one size
+
+
+def test_training_draws_every_caption_line_and_validation_every_item(folder):
+    data = ImageTextFolder(str(folder), image_size=8, text_seq_len=32, val_fraction=0.5)
+    lines = {data.tokenizer.decode(row) for step in range(10) for row in data.train_batch(4, seed=0, step=step)[0]}
+    assert {"a red picture", "another red caption"} <= lines
+    seen = {data.tokenizer.decode(row) for text, _ in data.val_batches(2, 1) for row in text}
+    assert seen == {f"a {item.captions[0].split()[1]} picture" for item in data.val_items} and len(seen) == 2
+
+
+def test_an_image_whose_header_claims_a_huge_size_is_skipped_as_unreadable(folder, caplog):
+    """PIL refuses it (a decompression bomb) with an error that is not an OSError: it ended a run."""
+    import struct
+    import zlib
+
+    raw = bytearray(png("red"))
+    raw[16:24] = struct.pack(">II", 20000, 20000)  # IHDR's width and height, 400M pixels
+    raw[29:33] = struct.pack(">I", zlib.crc32(bytes(raw[12:29])))
+    (folder / "img0.png").write_bytes(bytes(raw))
+    data = ImageTextFolder(str(folder), image_size=8, text_seq_len=32, val_fraction=0.25)
+    with caplog.at_level(logging.WARNING):
+        for step in range(4):
+            assert data.train_batch(3, seed=0, step=step)[1].shape == (3, 3, 8, 8)
+    assert "img0" in caplog.text and "cannot be read" in caplog.text
