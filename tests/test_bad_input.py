@@ -105,6 +105,10 @@ COMPOSITION_CASES = [
     (["model=nope"], "Could not find 'model/nope'; Available options in 'model': dalle; dsa; dvae; moba; nsa"),
     (["trainer.precision=fp8"], "trainer.precision=fp8"),
     (["trainer.cpu_allocator=jemalloc"], "Invalid value 'jemalloc', expected one of [system, caching, pooled]"),
+    # values the override grammar reserves characters of: how to quote them
+    (["data.path=~/notes.txt"], "data.path=~/notes.txt: Hydra's override grammar cannot read this value (it "
+     "reserves ~ = ( ) [ ] { } , and spaces in unquoted values): quote it, as 'data.path=\"~/notes.txt\"'"),
+    (["data.path=/data/a=b.txt"], "quote it, as 'data.path=\"/data/a=b.txt\"' in the shell"),
     # the rules of check_config and of the models' constructors, before a run's directory is made
     (["model.heads=0"], "model.heads=0 must be at least 1"),
     (["model.kv_heads=2", "model.heads=3"], "model: heads=3 must be a multiple of kv_heads=2 (GQA groups)"),

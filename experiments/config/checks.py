@@ -238,7 +238,7 @@ def sweep_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     try:
         fixed, swept = _fixed_and_swept(OverridesParser.create().parse_overrides(overrides))
     except HydraException as e:  # a syntax error
-        return _one_line(e)
+        return _unreadable_override(overrides) or _one_line(e)
     if error := _sweep_options_error(config_dir, overrides):
         return error
     if math.prod(len(values) for values in swept) <= SWEEP_JOBS_CHECKED:
@@ -337,9 +337,27 @@ def _first_failing(config_dir: str, jobs: list[list[str]], check: bool = False) 
                     if error := models_error(cfg):
                         return overrides, error
             except (HydraException, OmegaConfBaseException) as e:
-                return overrides, _one_line(e)
+                return overrides, _unreadable_override(overrides) or _one_line(e)
             except UserError as e:
                 return overrides, str(e)
+    return None
+
+
+def _unreadable_override(overrides: list[str]) -> Optional[str]:
+    """The first override Hydra's grammar cannot read, with how to quote it; None when each parses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except HydraException:
+            key, _, value = override.partition("=")
+            if value.startswith(("[", "{")) or "(" in value:  # a list, dict or sweep written wrong: Hydra's words
+                return None
+            return (f"{override}: Hydra's override grammar cannot read this value (it reserves ~ = ( ) [ ] {{ }} , "
+                    f"and spaces in unquoted values): quote it, as '{key}=\"{value}\"' in the shell")
     return None
 
 
