@@ -25,7 +25,8 @@ def test_span_attention_reports_its_pairs_forward_and_backward():
     k, v = torch.randn(bh, m, d), torch.randn(bh, m, d)
     i = torch.arange(m)
     spans = torch.stack([torch.stack([(i - 4).clamp(min=0), i + 1], -1),  # a window of 5
-                         torch.stack([torch.zeros_like(i), torch.zeros_like(i)], -1)], 1)  # an unused slot
+                         torch.stack([torch.zeros_like(i), torch.zeros_like(i)], -1),  # an unused slot
+                         torch.stack([i, torch.zeros_like(i)], -1)], 1)  # end < start: unused too
     pairs = bh * sum(min(t + 1, 5) for t in range(m))
     with flops.counting() as forward:
         out, _ = span_attention(q, k, v, spans)

@@ -64,3 +64,16 @@ def test_the_compiled_rotation_is_the_eager_one_with_its_gradient():
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.autograd.grad(ours, x, grad)[0], torch.autograd.grad(expected, x, grad)[0],
                                rtol=1e-5, atol=1e-6)
+
+
+def test_the_bf16_inverse_undoes_the_rotation():
+    rotary = Rotary(16)
+    x = torch.randn(3, 30, 16).bfloat16()
+    torch.testing.assert_close(rotary(rotary(x, 5), 5, inverse=True), x, rtol=3e-2, atol=3e-2)
+
+
+def test_a_float32_call_after_a_float64_one_rotates_in_float32():
+    rotary = Rotary(16)
+    x = torch.randn(2, 30, 16, requires_grad=True)
+    rotary(x.double(), 3)
+    torch.testing.assert_close(rotary(x, 3), Rotary(16)(x, 3), rtol=0, atol=0)  # dtype included

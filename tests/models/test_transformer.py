@@ -135,3 +135,11 @@ def test_first_step_agrees_between_the_cpu_and_cuda():
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_trains_on_cuda(tmp_path, precision):
     assert_loss_falls(train_on_cuda(tmp_path, precision))
+
+
+def test_attention_dropout_drops_in_training_and_not_in_eval():
+    x = torch.randint(0, 64, (2, 16))
+    model = tiny_dense(attn_dropout=0.5)
+    assert torch.equal(model(x), tiny_dense()(x))
+    model.train()
+    assert not torch.equal(model(x), model(x))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from experiments.config.schema import Device, Precision
+from experiments.runtime import allocator
 from experiments.runtime.backends import LocalBackend, parallel_job_slot, peak_memory_mb, reset_peak_memory
 from experiments.runtime.errors import UserError
 from tests.helpers.runs import (TINY_LM, TINY_NSA, kill_after_first_checkpoint, losses, read_metrics,
@@ -29,6 +30,50 @@ def test_setup_seeds_every_generator():
     first = torch.rand(3)
     backend.setup(trainer_section(device=Device.cpu, seed=7))
     assert torch.equal(first, torch.rand(3))
+
+
+@pytest.mark.parametrize("mode", allocator.MODES)
+def test_the_cpu_allocator_the_trainer_names_is_the_one_set_up(monkeypatch, mode):
+    used = []
+    monkeypatch.setattr(allocator, "use", lambda m: used.append(m) or True)
+    LocalBackend().setup(trainer_section(device=Device.cpu, cpu_allocator=mode))
+    assert used == [mode]
+
+
+def scaled(precision="fp16", scale=2.0**10) -> LocalBackend:
+    """A CPU backend that computes as backend=local with `precision` on a GPU: trainer.precision=fp16
+    needs CUDA, so its loss scaler is a CPU one here."""
+    backend = LocalBackend()
+    backend.setup(trainer_section(device=Device.cpu))
+    backend.precision, backend.scaler = precision, torch.amp.GradScaler("cpu", init_scale=scale)
+    return backend
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_autocast_computes_in_the_trainers_precision(precision, dtype):
+    with scaled(precision).autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
+
+
+def test_gradients_are_clipped_unscaled():
+    backend = scaled()
+    trainee = backend.prepare("", torch.nn.Linear(2, 1, bias=False), lambda params: torch.optim.SGD(params, lr=1.0))
+    torch.nn.init.zeros_(trainee.module.weight)
+    backend.backward(trainee.module(torch.tensor([3.0, 4.0])).sum(), trainee)  # gradient (3, 4): norm 5
+    backend.step([trainee], clip_grad_norm=1.0)
+    torch.testing.assert_close(trainee.module.weight.detach(), -torch.tensor([[0.6, 0.8]]))
+
+
+def linear(backend: LocalBackend):
+    return backend.prepare("", torch.nn.Linear(2, 1), lambda params: torch.optim.SGD(params, lr=1.0))
+
+
+def test_a_resumed_run_continues_with_its_checkpoints_loss_scale(tmp_path):
+    backend = scaled(scale=2.0**10)
+    state = backend.checkpoint_state([linear(backend)], tmp_path, "step")
+    resumed = scaled(scale=2.0**16)
+    resumed.load_checkpoint_state([linear(resumed)], state, tmp_path / "step.pt")
+    assert resumed.scaler.get_scale() == 2.0**10
 
 
 def test_peak_memory_is_reset_per_run():
@@ -61,13 +106,16 @@ def test_deepspeed_config_comes_from_the_trainer_section(tmp_path):
     from experiments.runtime.backends import DeepSpeedBackend
 
     user = tmp_path / "ds.json"
-    user.write_text('{"train_micro_batch_size_per_gpu": 99, "zero_optimization": {"reduce_bucket_size": 1000}}')
-    backend = DeepSpeedBackend(zero_stage=2, offload_optimizer="cpu", config_file=str(user))
+    user.write_text('{"train_micro_batch_size_per_gpu": 99, '
+                    '"zero_optimization": {"reduce_bucket_size": 1000, "stage": 3}}')  # the stage: backend.zero_stage's
+    backend = DeepSpeedBackend(zero_stage=2, offload_optimizer="cpu", initial_loss_scale_power=12,
+                               config_file=str(user))
     backend.precision = "bf16"
     config = backend.deepspeed_config(trainer_section(batch_size=3, grad_accum=4, clip_grad_norm=0.5))
     assert config["train_micro_batch_size_per_gpu"] == 3 and config["gradient_accumulation_steps"] == 4
     assert config["train_batch_size"] == 12 and config["gradient_clipping"] == 0.5
     assert config["bf16"] == {"enabled": True} and config["fp16"]["enabled"] is False
+    assert config["fp16"]["initial_scale_power"] == 12
     assert config["zero_optimization"] == {"reduce_bucket_size": 1000, "stage": 2, "offload_optimizer": {"device": "cpu"}}
 
 

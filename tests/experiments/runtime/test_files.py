@@ -44,3 +44,13 @@ def test_a_refused_write_is_an_os_error_naming_the_file_even_when_the_writer_mas
         atomic_write(tmp_path / "step_0000002.pt", write)
     assert (refused.value.errno, refused.value.filename) == (errno.ENOSPC, str(tmp_path / "step_0000002.pt"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_data_reaches_the_disk_before_the_file_replaces_the_old_one(tmp_path: Path, monkeypatch):
+    """A crash just after the rename must not leave an empty file where the old one was."""
+    calls = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append("fsync") or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda *a: calls.append("replace") or replace(*a))
+    atomic_write_json(tmp_path / "summary.json", {"status": "completed"})
+    assert calls == ["fsync", "replace"]

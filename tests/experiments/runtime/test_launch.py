@@ -49,3 +49,11 @@ def test_the_formats_are_the_configs_defaults():
     as_format = lambda d: d.replace("${now:", "").replace("}", "")  # noqa: E731
     assert as_format(hydra["run"]["dir"]) == launch.RUN_DIR_FORMAT
     assert as_format(hydra["sweep"]["dir"]) == launch.SWEEP_DIR_FORMAT
+
+
+@pytest.mark.parametrize("argv", [["--local_rank", "3", "trainer.seed=0"], ["--local_rank=3", "trainer.seed=0"],
+                                  ["trainer.seed=0", "--local-rank", "3"]])
+def test_the_deepspeed_launchers_local_rank_is_taken_out_of_argv_into_the_environment(monkeypatch, argv):
+    monkeypatch.setenv("LOCAL_RANK", "0")  # restored (here: removed) after the test
+    assert launch.prepare_argv(argv) == ["trainer.seed=0"]
+    assert launch.os.environ["LOCAL_RANK"] == "3"

@@ -156,6 +156,12 @@ def test_a_triton_launch_counts_once_with_its_report_and_without_the_interpreter
     assert counts.unreported() == counts.triton and "no Launch reported (N=16)" in counts.format()
 
 
+def test_each_report_accounts_for_one_launch_of_its_grid():
+    launch = op_counts.TritonLaunch("_double", (1,), (("N", 16),))
+    counts = op_counts.OpCounts(triton=[launch, launch], reported=[Launch("double", (1,), rows=16, keys=0)])
+    assert counts.unreported() == [launch]
+
+
 @torch.library.triton_op("test_op_counts::double_exp", mutates_args=())
 def double_exp(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)

@@ -58,6 +58,39 @@ def test_an_srun_step_of_two_tasks_gives_torchruns_variables():
     assert not launch.from_slurm(env)  # once: torchrun's variables are there now
 
 
+def srun_step(**more) -> dict:
+    """Rank 3 (second task on the second node) of step 1 of a job of two nodes x two tasks, on
+    two nodes of the job's six."""
+    return {"SLURM_STEP_ID": "1", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
+            "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_TASKS_PER_NODE": "3(x2)",
+            "SLURM_JOB_ID": "123", "SLURM_STEP_NODELIST": "n[5-6]", "SLURM_JOB_NODELIST": "n[1-6]", **more}
+
+
+def test_a_rank_on_a_second_node_gets_its_local_rank_and_its_nodes_task_count():
+    env = srun_step()
+    assert launch.from_slurm(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "1", "2")
+
+
+def test_the_master_is_the_steps_first_node_not_the_jobs():
+    env = srun_step()
+    launch.from_slurm(env)
+    assert env["MASTER_ADDR"] == "n5"
+
+
+def test_a_master_address_the_user_set_is_kept():
+    env = srun_step(MASTER_ADDR="login7")
+    launch.from_slurm(env)
+    assert env["MASTER_ADDR"] == "login7"
+
+
+def test_two_steps_of_one_job_get_different_master_ports():
+    first, second = srun_step(SLURM_STEP_ID="0"), srun_step(SLURM_STEP_ID="1")
+    for env in (first, second):
+        launch.from_slurm(env)
+    assert first["MASTER_PORT"] != second["MASTER_PORT"]
+
+
 @pytest.mark.parametrize("env", [
     {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n1"},  # batch script
     {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1",

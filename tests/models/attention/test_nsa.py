@@ -281,6 +281,19 @@ def test_lengths_not_multiples_of_blocks_give_finite_gradients(n):
     for name, p in model.named_parameters():
         assert p.grad is None or torch.isfinite(p.grad).all(), name
 
+def test_attention_dropout_drops_in_training_and_not_in_eval():
+    x = torch.randint(0, 64, (2, 24))
+    model = tiny_nsa(attn_dropout=0.5)
+    assert torch.equal(model(x), tiny_nsa()(x))
+    model.train()
+    assert not torch.equal(model(x), model(x))
+
+
+@pytest.mark.parametrize("mult", [0.5, 2.0])
+def test_compress_hidden_mult_sets_the_compressors_hidden_width(mult):
+    compressor = tiny_nsa(compress_hidden_mult=mult).blocks[0].attn.compressor
+    assert compressor.w1.shape[-1] == compressor.w2.shape[-2] == int(8 * mult)  # dim_head 8
+
 
 @pytest.mark.parametrize("bad,message", [
     (dict(kv_heads=3), "multiple of kv_heads"),

@@ -155,6 +155,18 @@ def test_commitment_loss_pulls_the_routed_vectors():
     assert model.blocks[0].attn.to_q.weight.grad.abs().max() > 0
 
 
+def test_the_commitment_loss_scales_with_commitment_weight():
+    x = torch.randint(0, 32, (2, 10))
+    one, two = (tiny_routing(local_heads=0, commitment_weight=weight).train() for weight in (1.0, 2.0))
+    for model in (one, two):
+        model(x)
+    torch.testing.assert_close(two.aux_loss(), 2 * one.aux_loss())
+
+
+def test_a_list_of_local_heads_gives_each_layer_its_own_in_order():
+    assert [attn.local_heads for attn in routing_layers(tiny_routing(local_heads=[0, 2]))] == [0, 2]
+
+
 def test_centroids_are_saved_with_the_model():
     model = tiny_routing(local_heads=0).train()
     model(torch.randint(0, 32, (2, 10)))
