@@ -48,7 +48,8 @@ def check_images(data, vae, key: str, configurable: bool = True) -> None:
         raise UserError(f"{key} reads images, and this data is not images: use data=shapes or data=image_folder")
     if data.image_size != vae.image_size or data.channels != vae.channels:
         knob = "channels" if data.channels != vae.channels else "image_size"
-        fix = f"set data.{knob}={getattr(vae, knob)}" + (f" or {key}.{knob}={getattr(data, knob)}" if configurable else "")
+        fix = f"set data.{knob}={getattr(vae, knob)}"
+        fix += f" or {key}.{knob}={getattr(data, knob)}" if configurable else ""
         raise UserError(f"data gives {data.channels}x{data.image_size}x{data.image_size} images but {key} expects "
                         f"{vae.channels}x{vae.image_size}x{vae.image_size}: {fix}")
 

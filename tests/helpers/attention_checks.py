@@ -113,3 +113,13 @@ def assert_recomputation_changes_nothing(layer, x, monkeypatch):
     assert len(results[0]) == len(results[1]) > 2
     for got, expected in zip(*results):
         assert torch.equal(got, expected)
+
+
+def assert_attention_dropout_only_in_training(build, tokens):
+    """`build(**knobs)` -> a model in eval mode, the same weights for any knobs: with attn_dropout=0.5
+    its eval output is the model's without dropout (the knob reached the layers and is off in eval),
+    and in training two calls differ."""
+    model = build(attn_dropout=0.5)
+    assert torch.equal(model(tokens), build()(tokens))
+    model.train()
+    assert not torch.equal(model(tokens), model(tokens))

@@ -7,6 +7,7 @@ import torch
 from experiments.bench.agreement import lm_loss
 from models.lm import transformer_lm
 from models.sampling import filter_top_k, generate, sample
+from tests.helpers.attention_checks import assert_attention_dropout_only_in_training
 from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,
                                train_on_cuda)
 
@@ -138,8 +139,4 @@ def test_trains_on_cuda(tmp_path, precision):
 
 
 def test_attention_dropout_drops_in_training_and_not_in_eval():
-    x = torch.randint(0, 64, (2, 16))
-    model = tiny_dense(attn_dropout=0.5)
-    assert torch.equal(model(x), tiny_dense()(x))
-    model.train()
-    assert not torch.equal(model(x), model(x))
+    assert_attention_dropout_only_in_training(tiny_dense, torch.randint(0, 64, (2, 16)))

@@ -15,7 +15,7 @@ from kernels.nsa_attention import reference as branches
 from models.attention.dense import DenseAttention
 from models.attention.nsa import BRANCH_NAMES, BlockCompressor, NativeSparseAttention, branch_closed, open_branches
 from experiments.bench.agreement import lm_loss
-from tests.helpers.attention_checks import assert_truncated_cache_forgets
+from tests.helpers.attention_checks import assert_attention_dropout_only_in_training, assert_truncated_cache_forgets
 from tests.helpers.gpu import (PRECISIONS, assert_cached_decoding_on_cuda, assert_devices_agree, assert_loss_falls,
                                train_on_cuda)
 from tests.helpers.kernel_checks import TRITON_DEVICE, device_for
@@ -281,12 +281,9 @@ def test_lengths_not_multiples_of_blocks_give_finite_gradients(n):
     for name, p in model.named_parameters():
         assert p.grad is None or torch.isfinite(p.grad).all(), name
 
+
 def test_attention_dropout_drops_in_training_and_not_in_eval():
-    x = torch.randint(0, 64, (2, 24))
-    model = tiny_nsa(attn_dropout=0.5)
-    assert torch.equal(model(x), tiny_nsa()(x))
-    model.train()
-    assert not torch.equal(model(x), model(x))
+    assert_attention_dropout_only_in_training(tiny_nsa, torch.randint(0, 64, (2, 24)))
 
 
 @pytest.mark.parametrize("mult", [0.5, 2.0])
