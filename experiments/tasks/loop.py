@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 _SLOTS = {"model": "", "draft": "draft_", "vae": "vae_"}  # model configs and their members' prefixes
 
+# what summary.json records of the session that runs: a resumed run names the machine it goes on with
+_SESSION_KEYS = ("pid", "host", "device", "processor", "threads", "matmul_peak_gflops")
 # config sections that must match for a checkpoint to continue this run
 _RESUME_MUST_MATCH = ("model", "draft", "vae", "data", "optimizer", "schedule", "task")
 # the trainer's keys that shape the steps and what validation measures, and the weights the run started
@@ -288,10 +290,9 @@ class Loop:
         _set_rng_state(state["rng"])
         step = int(state["step"])
         self.run.continue_wall_clock(float(state["wall_s"]))
-        # the earlier sessions' figures; what this session has recorded (its machine: device, processor,
-        # threads, matmul peak) describes the session that goes on
-        earlier = {k: v for k, v in state["summary"].items()
-                   if k not in ("status", "error") and k not in self.run.summary}
+        # the earlier sessions' figures (the step reached among them), but the machine of the session
+        # that goes on
+        earlier = {k: v for k, v in state["summary"].items() if k not in ("status", "error", *_SESSION_KEYS)}
         self.run.update_summary(**earlier)
         log.info("resumed from %s at step %d", path, step)
         if self.trainer.init_from:
