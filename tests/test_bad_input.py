@@ -113,8 +113,8 @@ COMPOSITION_CASES = [
     (["model.heads=0"], "model.heads=0 must be at least 1"),
     (["model.kv_heads=2", "model.heads=3"], "model: heads=3 must be a multiple of kv_heads=2 (GQA groups)"),
     # groups that do not go together: an image model's ${data.image_size} on text data
-    (["experiment=dalle", "data=text"], "vae.image_size: Interpolation key 'data.image_size' not found: the "
-     "groups chosen do not go together"),
+    (["experiment=dalle", "data=text"], "vae.image_size: Interpolation key 'data.image_size' not found: an image "
+     "model reads data.image_size: use data=shapes or data=image_folder"),
     (["data.path=${oc.env:SPARSE_ATTENTION_NO_SUCH_VARIABLE}"], "Environment variable "
      "'SPARSE_ATTENTION_NO_SUCH_VARIABLE' not found\": set it, or give data.path a value"),
 ]
@@ -124,6 +124,12 @@ COMPOSITION_CASES = [
 def test_composition_errors_are_one_line(overrides, message):
     error = composition_error(str(ROOT / "conf"), overrides)
     assert message in error and "\n" not in error and "+trainer" not in error  # no advice to add the typo
+
+
+def test_a_value_only_the_run_can_resolve_is_left_to_the_run():
+    """${hydra:...} names the run's own settings, which exist once it runs: the run checks it."""
+    assert composition_error(str(ROOT / "conf"), ["data=stdlib", "data.cache_dir=${hydra:runtime.output_dir}/c"]) is None
+    assert composition_error(str(ROOT / "conf"), ["trainer.init_from=${hydra:runtime.cwd}/x"]) is None
 
 
 def test_a_single_run_that_breaks_a_rule_makes_no_directory(tmp_path):

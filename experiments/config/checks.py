@@ -124,10 +124,14 @@ def _missing(cfg: DictConfig) -> list[str]:
     try:
         missing = OmegaConf.missing_keys(cfg)
     except InterpolationResolutionError as e:  # ${...} naming what this config lacks, or an unset variable
+        if "HydraConfig was not set" in e.msg:  # ${hydra:...}: resolved only in the run
+            raise
+        reason = f"{e.full_key}: {e.msg.splitlines()[0]}"
         if "Environment variable" in e.msg:
-            return [f"{e.full_key}: {e.msg.splitlines()[0]}: set it, or give {e.full_key} a value"]
-        return [f"{e.full_key}: {e.msg.splitlines()[0]}: the groups chosen do not go together (an image model "
-                f"reads data.image_size: data=shapes or image_folder), or set {e.full_key}=<a value>"]
+            return [f"{reason}: set it, or give {e.full_key} a value"]
+        if "data.image_size" in e.msg:
+            return [f"{reason}: an image model reads data.image_size: use data=shapes or data=image_folder"]
+        return [f"{reason}: the groups chosen do not go together, or set {e.full_key}=<a value>"]
     return [f"{key} has no value: set {key}=<{hints.get(key, 'a value')}>" for key in sorted(missing)]
 
 
@@ -337,6 +341,8 @@ def _first_failing(config_dir: str, jobs: list[list[str]], check: bool = False) 
                     if error := models_error(cfg):
                         return overrides, error
             except (HydraException, OmegaConfBaseException) as e:
+                if "HydraConfig was not set" in str(e):  # a ${hydra:...} value: resolved in the run, checked there
+                    continue
                 return overrides, _unreadable_override(overrides) or _one_line(e)
             except UserError as e:
                 return overrides, str(e)

@@ -226,10 +226,12 @@ def _caption_text(raw: bytes, where) -> str:
 
 
 def _eight_bit(image: Image.Image) -> Image.Image:
-    """16- and 32-bit greyscale scaled to 8 bits (PIL's convert clips them at 255: all but black is white)."""
+    """16- and 32-bit greyscale scaled to 8 bits (PIL's convert clips them at 255: all but black is
+    white). A 32-bit image is scaled by the range its values use: 8 bits, 16, or its own maximum."""
     if image.mode.startswith("I;16") or image.mode == "I":
         array = np.asarray(image, dtype=np.float64)
-        top = 65535.0 if image.mode.startswith("I;16") or array.max() <= 65535 else float(array.max())
+        top = 65535.0 if image.mode.startswith("I;16") else next(
+            (bound for bound in (255.0, 65535.0) if array.max() <= bound), float(array.max()))
         return Image.fromarray(np.clip(np.round(array / top * 255), 0, 255).astype(np.uint8), "L")
     return image
 

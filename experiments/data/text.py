@@ -134,21 +134,27 @@ def default_cache_dir() -> Path:
 
 
 def read_bytes(path: Path, *, key: str, limit: Optional[int] = None, hint: str = "") -> np.ndarray:
-    """A file's bytes as uint8: gzip (by its .gz suffix or its first bytes) and a zip archive of one
-    file (enwik8.zip as downloaded) are read decompressed, anything else as raw bytes."""
+    """A file's bytes as uint8: gzip and a zip archive of one file (enwik8.zip as downloaded) are read
+    decompressed, by their suffix (.gz, .zip) or by their first bytes where they open as one; anything
+    else, raw."""
     path = path.expanduser()
     if path.is_dir():
         raise UserError(f"{key}={path} is a directory: give the file to read")
     if not path.is_file():
         raise UserError(f"{key}={path}: no such file: {hint or 'check the path'}")
-    size, magic = -1 if limit is None else limit, b""
+    size, kind = -1 if limit is None else limit, "raw"
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
-        if path.suffix.lower() == ".gz" or magic[:2] == b"\x1f\x8b":
+        suffix = path.suffix.lower()
+        if suffix == ".gz" or (magic[:2] == b"\x1f\x8b" and _opens_as_gzip(path)):
+            kind = "gzip"
+        elif suffix == ".zip" or (magic == b"PK\x03\x04" and zipfile.is_zipfile(path)):
+            kind = "zip"
+        if kind == "gzip":
             with gzip.open(path, "rb") as f:
                 raw = f.read(size)
-        elif magic == b"PK\x03\x04":
+        elif kind == "zip":
             with zipfile.ZipFile(path) as archive:
                 files = [m for m in archive.infolist() if not m.is_dir()]
                 if len(files) != 1:
@@ -160,10 +166,19 @@ def read_bytes(path: Path, *, key: str, limit: Optional[int] = None, hint: str =
             with open(path, "rb") as f:
                 raw = f.read(size)
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as e:  # not gzip, cut short, unreadable
-        what = "a complete gzip file" if path.suffix.lower() == ".gz" or magic[:2] == b"\x1f\x8b" else \
-            "a complete zip archive" if magic == b"PK\x03\x04" else "readable"
-        raise UserError(f"{key}={path} is not {what} ({e}): give an intact file (gzip and zip are read "
+        what = {"gzip": "a complete gzip file", "zip": "a complete zip archive"}.get(kind, "readable")
+        raise UserError(f"{key}={path} is not {what} ({e}): give an intact file (.gz and .zip are read "
                         "decompressed, anything else as raw bytes)") from None
     if not raw:
         raise UserError(f"{key}={path} is empty: give a file with text in it")
     return np.frombuffer(raw, dtype=np.uint8).copy()
+
+
+def _opens_as_gzip(path: Path) -> bool:
+    """Whether the file gets through gzip's header (a file may begin with its signature by chance)."""
+    try:
+        with gzip.open(path, "rb") as f:
+            f.read(1)
+        return True
+    except (OSError, EOFError, zlib.error):
+        return False

@@ -319,8 +319,9 @@ class Loop:
         if trained_on and trained_on != self.data.fingerprint and self._continues(path):  # a file changed in place
             raise UserError(
                 f"{path} was trained on other data: {trained_on}, where this config now reads "
-                f"{self.data.fingerprint} (name:train+validation size:digest), so this run cannot continue "
-                f"it: put that data back, or use a new {self.run.dir_setting}"
+                f"{self.data.fingerprint} (name:train+validation size:digest; the data changed, or this version "
+                f"reads it otherwise), so this run cannot continue it: put that data back, or start a new run "
+                f"(another {self.run.dir_setting}; trainer.init_from={self.run.dir} starts it from these weights)"
             )
         for prefix, net in nets.items():
             checkpoint.load_weights(net, state, f"{prefix}model", path, built_from_checkpoint=False)

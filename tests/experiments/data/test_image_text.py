@@ -226,3 +226,11 @@ def test_an_image_whose_header_claims_a_huge_size_is_skipped_as_unreadable(folde
         for step in range(4):
             assert data.train_batch(3, seed=0, step=step)[1].shape == (3, 3, 8, 8)
     assert "img0" in caplog.text and "cannot be read" in caplog.text
+
+
+@pytest.mark.parametrize("top", [255, 65535, 200_000])
+def test_a_32_bit_grey_image_is_scaled_by_the_range_its_values_use(top):
+    from experiments.data.image_text import _eight_bit
+
+    image = Image.fromarray(np.array([[0, top // 2, top]], dtype=np.int32), "I")
+    assert np.asarray(_eight_bit(image)).tolist() == [[0, 128, 255]]

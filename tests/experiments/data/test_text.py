@@ -119,6 +119,14 @@ def test_files_that_hold_no_text_to_read_are_refused_naming_data_path(tmp_path):
         ByteText(seq_len=8, path=str(tmp_path / "empty.txt"))
 
 
+def test_a_file_that_only_begins_like_an_archive_is_read_as_its_bytes(tmp_path):
+    for signature in (b"PK\x03\x04", b"\x1f\x8b"):
+        raw = signature + b"ordinary text line\n" * 100
+        (tmp_path / "corpus.txt").write_bytes(raw)
+        assert bytes(ByteText(seq_len=8, path=str(tmp_path / "corpus.txt"), val_fraction=0.5).train.numpy()) == \
+            raw[: len(raw) - len(raw) // 2]
+
+
 def test_a_path_from_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "notes.txt").write_bytes(b"hello world " * 100)
