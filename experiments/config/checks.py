@@ -124,7 +124,7 @@ def _missing(cfg: DictConfig) -> list[str]:
     try:
         missing = OmegaConf.missing_keys(cfg)
     except InterpolationResolutionError as e:  # ${...} naming what this config lacks, or an unset variable
-        if "HydraConfig was not set" in e.msg:  # ${hydra:...}: resolved only in the run
+        if _resolved_in_the_run(e):
             raise
         reason = f"{e.full_key}: {e.msg.splitlines()[0]}"
         if "Environment variable" in e.msg:
@@ -341,12 +341,17 @@ def _first_failing(config_dir: str, jobs: list[list[str]], check: bool = False) 
                     if error := models_error(cfg):
                         return overrides, error
             except (HydraException, OmegaConfBaseException) as e:
-                if "HydraConfig was not set" in str(e):  # a ${hydra:...} value: resolved in the run, checked there
+                if _resolved_in_the_run(e):  # checked there
                     continue
                 return overrides, _unreadable_override(overrides) or _one_line(e)
             except UserError as e:
                 return overrides, str(e)
     return None
+
+
+def _resolved_in_the_run(e: Exception) -> bool:
+    """Whether a value failed to resolve because it is a ${hydra:...}: the run's own settings, set once it runs."""
+    return "HydraConfig was not set" in str(e)
 
 
 def _unreadable_override(overrides: list[str]) -> Optional[str]:
