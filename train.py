@@ -8,10 +8,24 @@
 Heavy imports (torch, the models) happen inside main, so `--help` stays fast.
 """
 
-import hydra
-from omegaconf import DictConfig
+import signal
+import sys
 
-from experiments.config import register
+
+def _stop_while_not_training(signum, frame):
+    """Ctrl-C while no run trains (the imports, the checks, between a sweep's jobs): one line and
+    exit 130, not a traceback. A run takes the signal over while it trains (experiments/runtime/run.py)."""
+    print("interrupted: no run was training", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+if __name__ == "__main__":  # first, before the imports that take a second or two
+    signal.signal(signal.SIGINT, _stop_while_not_training)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from experiments.config import register  # noqa: E402
 
 register()  # the config schemas, before Hydra composes
 
@@ -41,18 +55,21 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    import sys
+    import time
     from pathlib import Path
 
-    from experiments.config.checks import composition_error, runs_jobs_in_parallel, sweep_error, sweep_hydra_config
+    from experiments.config.checks import (composition_error, failures_tolerated, runs_jobs_in_parallel, sweep_error,
+                                          sweep_hydra_config)
     from experiments.config.resolvers import export_swept_keys
     from experiments.runtime.launch import (claim_output_dir, output_dir_error, prepare_argv,
                                             stop_workers_with_this_process)
+    from experiments.runtime.run import sweep_failures
 
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]  # a launcher's --local_rank, before Hydra parses argv
     overrides = sys.argv[1:]
     export_swept_keys(overrides)  # a sweep job's directory names what is swept, wherever it runs
     conf = str(Path(__file__).resolve().parent / "conf")
+    sweep_dir, tolerated = None, 0.0
     if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
@@ -64,6 +81,14 @@ if __name__ == "__main__":
         if error := sweep_error(conf, jobs) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
         sys.argv = [sys.argv[0], *claim_output_dir(overrides)]
-        if runs_jobs_in_parallel(sweep_hydra_config(conf, jobs)):
+        sweep_dir = [a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.sweep.dir=")][-1]  # Hydra's: the last
+        sweep_hydra = sweep_hydra_config(conf, jobs)
+        if runs_jobs_in_parallel(sweep_hydra):
             stop_workers_with_this_process()  # a stop reaches the workers; joblib's abort does not end them
+        tolerated = failures_tolerated(sweep_hydra)
+    started = time.time()
     main()
+    # a sweep goes on past a failed job, then says so in its exit status (a script, a SLURM dependency)
+    if sweep_dir and len(failed := sweep_failures(Path(sweep_dir), started)) > tolerated:
+        sys.exit(f"error: {len(failed)} job(s) of the sweep failed: {', '.join(failed)}; each one's summary.json "
+                 f"and train.log say why, the other jobs' results stand ({sweep_dir})")

@@ -21,7 +21,8 @@ import torch
 
 from experiments.config.checks import check_config, composition_error
 from experiments.runtime.errors import UserError
-from tests.helpers.runs import ROOT, TINY_LM, read_metrics, read_summary, run_env, start_long_train, train, train_py
+from tests.helpers.runs import (ROOT, TINY_LM, read_metrics, read_summary, run_env, start_long_train, start_train,
+                                train, train_py)
 
 # ---- config values: every group, checked before anything is built ---------------------------------
 
@@ -197,6 +198,8 @@ def test_a_refused_sweep_job_names_the_sweeps_directory_setting(tmp_path):
     assert train_py(*sweep).returncode == 0
     result = train_py(*sweep, "trainer.batch_size=3")
     assert "so this run cannot continue it: use a new hydra.sweep.dir, or pass the same overrides" in result.stderr
+    # the refused job left its directory as it was, summary too: the sweep's exit status still says so
+    assert result.returncode == 1 and "error: 1 job(s) of the sweep failed: " in result.stderr.splitlines()[-1]
 
 
 # ---- files the project reads -----------------------------------------------------------------------
@@ -510,6 +513,17 @@ def test_ctrl_c_exits_130_and_records_interrupted(tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 128 + signal.SIGINT
     assert read_summary(run)["status"] == "interrupted"
+
+
+def test_ctrl_c_while_starting_exits_130_in_one_line(tmp_path):
+    """0.8 s in: the imports or the checks, before the run takes the signal over (a traceback before)."""
+    proc = start_train(tmp_path / "run")
+    time.sleep(0.8)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err[-3000:]
+    if not (tmp_path / "run" / "summary.json").exists():  # else the run had begun: recorded interrupted
+        assert err.strip().splitlines()[-1] == "interrupted: no run was training"
 
 
 def test_sigterm_stops_a_sweep_after_checkpointing_its_current_job(tmp_path):

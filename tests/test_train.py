@@ -76,7 +76,11 @@ def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
     # a vocabulary the data does not have: what only the job's data can tell (the pre-check passes it)
     result = train_py("-m", f"hydra.sweep.dir={sweep}", *TINY_NSA, "trainer.max_steps=2", "model.num_tokens=256,128")
-    assert result.returncode == 0, result.stderr
+    # the sweep ran both jobs, then its exit status and last line say one failed
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: 1 job(s) of the sweep failed: model.num_tokens=128/seed=0; each one's summary.json and train.log "
+        f"say why, the other jobs' results stand ({sweep})")
     good, bad = sweep / "model.num_tokens=256" / "seed=0", sweep / "model.num_tokens=128" / "seed=0"
     assert read_summary(good)["status"] == "completed"
     failed = read_summary(bad)

@@ -301,6 +301,14 @@ def runs_jobs_in_parallel(hydra: Optional[DictConfig]) -> bool:
     return hydra is not None and "joblib" in str(hydra.launcher.get("_target_", ""))
 
 
+def failures_tolerated(hydra: Optional[DictConfig]) -> float:
+    """How many of a sweep's jobs may fail before it exits 1: Optuna's `max_failure_rate` (0 by
+    default) of its `n_trials`; none under any other sweeper."""
+    if hydra is None:
+        return 0.0
+    return float(hydra.sweeper.get("max_failure_rate", 0.0)) * hydra.sweeper.get("n_trials", 0)
+
+
 def _sweep_options_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     """The parallel launcher's and Optuna's options that would fail the sweep after its directory is
     made (joblib's n_jobs=0, Optuna's n_trials=0 or an unknown direction), as one line. A SLURM

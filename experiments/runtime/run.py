@@ -3,7 +3,8 @@
 `Run` owns metrics.jsonl, summary.json, samples/ and checkpoints/ of one Hydra job directory.
 Used as a context manager it records how the run ended: "completed", "failed" (with the error)
 or "interrupted" (SIGTERM or Ctrl-C: the loop checkpoints at the next step boundary). In a sweep a
-failed job is recorded and the sweep goes on; a single run exits non-zero with one clear message. An
+failed job is recorded and the sweep goes on, and the sweep exits non-zero at its end, naming the
+jobs that failed (`sweep_failures`); a single run exits non-zero with one clear message. An
 interrupted run or sweep exits 128 + the signal's number (a launcher that runs each job in its own
 process, such as submitit, goes on with the other jobs).
 
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 # what a run directory holds (DESIGN.md section 4); experiments/review/runs.py reads runs by these names
 METRICS, SUMMARY, CHECKPOINTS, SAMPLES, HYDRA = "metrics.jsonl", "summary.json", "checkpoints", "samples", ".hydra"
 OVERRIDES = f"{HYDRA}/overrides.yaml"
+
+_failed_here: list[tuple[float, str]] = []  # this process's sweep jobs that failed or were refused: (when, name)
 
 
 class Run:
@@ -278,6 +281,7 @@ class Run:
         if self.multirun:
             if isinstance(status, str):
                 print(f"{status} (job {self.name})", file=sys.stderr)
+            _failed_here.append((time.time(), self.name))
             return True
         sys.exit(status)
 
@@ -295,3 +299,19 @@ def _row_step(line: str) -> Optional[int]:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return None  # a line torn by a kill: dropped
+
+
+def sweep_failures(sweep_dir: Path, since: float) -> list[str]:
+    """The jobs of the sweep in `sweep_dir` that failed in a launch begun at time `since`, by name:
+    those this process ran (a refused rerun too, which leaves its directory as it was) and those
+    whose summary.json, written since, records "failed" (what a parallel or SLURM launcher ran in
+    other processes)."""
+    failed = [name for when, name in _failed_here if when >= since]
+    for path in sorted(Path(sweep_dir).rglob(SUMMARY)) if Path(sweep_dir).is_dir() else []:
+        try:
+            # 2 s of slack: a file system may keep whole seconds; no earlier launch ends so close to this one
+            if path.stat().st_mtime >= since - 2.0 and json.loads(path.read_text()).get("status") == "failed":
+                failed.append(str(path.parent.relative_to(sweep_dir)))
+        except (OSError, ValueError):  # a summary being replaced, or not a run's
+            continue
+    return list(dict.fromkeys(failed))

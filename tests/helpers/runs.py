@@ -109,18 +109,20 @@ OWN_PROCESS = ("trainer.compile=",)
 def train_here(args: list[str]) -> subprocess.CompletedProcess:
     """train.py's `__main__` with these arguments, in this process: its exit status and what it
     printed, as a subprocess would give them. What a run sets for its process (environment, working
-    directory, logging, threads, deterministic algorithms, the CPU allocator) is put back after."""
+    directory, logging, threads, deterministic algorithms, the CPU allocator, Ctrl-C's handler) is put back
+    after."""
     import contextlib
     import io
     import logging
     import runpy
+    import signal
     import traceback
 
     import torch
 
     from experiments.runtime import allocator
 
-    environ, cwd, argv = dict(os.environ), os.getcwd(), sys.argv
+    environ, cwd, argv, sigint = dict(os.environ), os.getcwd(), sys.argv, signal.getsignal(signal.SIGINT)
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     threads, deterministic, memory = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), \
@@ -149,6 +151,7 @@ def train_here(args: list[str]) -> subprocess.CompletedProcess:
         os.environ.update(environ)
         os.chdir(cwd)
         sys.argv = argv
+        signal.signal(signal.SIGINT, sigint)  # train.py's own, for the time no run trains
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
         allocator.use(memory)

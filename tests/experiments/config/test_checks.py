@@ -7,6 +7,7 @@ import math
 import pytest
 
 from experiments.config import checks
+from tests.helpers.runs import ROOT
 
 # rule's keys -> (values on the edge that pass, values just past it that are refused)
 EDGES = {
@@ -52,3 +53,15 @@ def test_values_that_are_not_finite_numbers_are_refused_by_every_range():
         for key in getattr(checks, rule):
             for value in (math.nan, math.inf, -math.inf, True, "1"):
                 assert checks._rule(key, value) is not None, (key, value)
+
+
+def test_a_sweep_tolerates_failed_jobs_only_as_optunas_max_failure_rate_allows():
+    """The hydra section composed for a sweep: Optuna's share of n_trials, none for the grid sweeper."""
+    root = str(ROOT / "conf")
+    assert checks.failures_tolerated(checks.sweep_hydra_config(root, ["model.depth=1,2"])) == 0
+    optuna = checks.sweep_hydra_config(root, ["experiment=nsa_optuna", "hydra.sweeper.n_trials=8"])
+    assert checks.failures_tolerated(optuna) == 0  # Optuna's default: no trial may fail
+    optuna = checks.sweep_hydra_config(root, ["experiment=nsa_optuna", "hydra.sweeper.n_trials=8",
+                                              "hydra.sweeper.max_failure_rate=0.25"])
+    assert checks.failures_tolerated(optuna) == 2
+    assert checks.failures_tolerated(None) == 0  # a sweep whose hydra section does not compose
