@@ -258,6 +258,17 @@ def test_a_sweep_is_one_job_array_reviewed_as_a_local_sweep(slurm_cluster, tmp_p
     assert slurm_rows == local_rows
 
 
+def test_a_sweep_whose_array_task_failed_exits_1_naming_it(slurm_cluster, tmp_path):
+    """The job failed in SLURM's process, not the submitting one: its summary says so, and the
+    submitting process reads it once the array is done."""
+    result = sweep(slurm_cluster, tmp_path, *LM, "trainer.max_steps=1", "trainer.validate_every=0",
+                   "model.num_tokens=256,128", ONE_CPU)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: 1 job(s) of the sweep failed: model.num_tokens=128/seed=0; ")
+    assert read_summary(tmp_path / "model.num_tokens=256" / "seed=0")["status"] == "completed"
+
+
 def _release_when_requeued(cluster, job: str, restarts: int, timeout: float = 120) -> None:
     """SLURM holds a requeued job for 120 s (its BeginTime): let it start again soon, and wait
     until it has. Not in the second its last run was killed: slurmd refuses a job whose credential
