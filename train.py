@@ -8,15 +8,19 @@
 Heavy imports (torch, the models) happen inside main, so `--help` stays fast.
 """
 
+import os
 import signal
 import sys
 
 
 def _stop_while_not_training(signum, frame):
     """Ctrl-C while no run trains (the imports, the checks, between a sweep's jobs): one line and
-    exit 130, not a traceback. A run takes the signal over while it trains (experiments/runtime/run.py)."""
-    print("interrupted: no run was training", file=sys.stderr)
-    sys.exit(128 + signum)
+    exit 130, not a traceback. At once (os._exit), not by an exception: one raised mid-way through
+    OmegaConf's code was replaced by an error of its cleanup, which Hydra then reported. A run takes
+    the signal over while it trains (experiments/runtime/run.py)."""
+    sys.stdout.flush()
+    print("interrupted: no run was training", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":  # first, before the imports that take a second or two
