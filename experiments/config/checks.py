@@ -306,7 +306,8 @@ def failures_tolerated(hydra: Optional[DictConfig]) -> float:
     default) of its `n_trials`; none under any other sweeper."""
     if hydra is None:
         return 0.0
-    return float(hydra.sweeper.get("max_failure_rate", 0.0)) * hydra.sweeper.get("n_trials", 0)
+    # plus a hair: 0.29 * 100 is 28.999999999999996 in floats, and Optuna allows 29 failures of 100
+    return float(hydra.sweeper.get("max_failure_rate", 0.0)) * hydra.sweeper.get("n_trials", 0) + 1e-9
 
 
 def _sweep_options_error(config_dir: str, overrides: list[str]) -> Optional[str]:

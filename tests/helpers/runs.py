@@ -151,7 +151,7 @@ def train_here(args: list[str]) -> subprocess.CompletedProcess:
         os.environ.update(environ)
         os.chdir(cwd)
         sys.argv = argv
-        signal.signal(signal.SIGINT, sigint)  # train.py's own, for the time no run trains
+        signal.signal(signal.SIGINT, sigint)  # the caller's: train.py sets one of its own for its start
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
         allocator.use(memory)

@@ -58,10 +58,13 @@ def test_values_that_are_not_finite_numbers_are_refused_by_every_range():
 def test_a_sweep_tolerates_failed_jobs_only_as_optunas_max_failure_rate_allows():
     """The hydra section composed for a sweep: Optuna's share of n_trials, none for the grid sweeper."""
     root = str(ROOT / "conf")
-    assert checks.failures_tolerated(checks.sweep_hydra_config(root, ["model.depth=1,2"])) == 0
+    assert checks.failures_tolerated(checks.sweep_hydra_config(root, ["model.depth=1,2"])) < 1
     optuna = checks.sweep_hydra_config(root, ["experiment=nsa_optuna", "hydra.sweeper.n_trials=8"])
-    assert checks.failures_tolerated(optuna) == 0  # Optuna's default: no trial may fail
+    assert checks.failures_tolerated(optuna) < 1  # Optuna's default: no trial may fail
     optuna = checks.sweep_hydra_config(root, ["experiment=nsa_optuna", "hydra.sweeper.n_trials=8",
                                               "hydra.sweeper.max_failure_rate=0.25"])
-    assert checks.failures_tolerated(optuna) == 2
-    assert checks.failures_tolerated(None) == 0  # a sweep whose hydra section does not compose
+    assert checks.failures_tolerated(optuna) == pytest.approx(2)
+    optuna = checks.sweep_hydra_config(root, ["experiment=nsa_optuna", "hydra.sweeper.n_trials=100",
+                                              "hydra.sweeper.max_failure_rate=0.29"])
+    assert 29 <= checks.failures_tolerated(optuna) < 30  # as Optuna's failures / n_trials > rate has it
+    assert checks.failures_tolerated(None) < 1  # a sweep whose hydra section does not compose
