@@ -62,8 +62,8 @@ if __name__ == "__main__":
     import time
     from pathlib import Path
 
-    from experiments.config.checks import (composition_error, failures_tolerated, runs_jobs_in_parallel, sweep_error,
-                                          sweep_hydra_config)
+    from experiments.config.checks import (composition_error, failures_tolerated, runs_jobs_elsewhere,
+                                          runs_jobs_in_parallel, sweep_error, sweep_hydra_config)
     from experiments.config.resolvers import export_swept_keys
     from experiments.runtime.launch import (claim_output_dir, output_dir_error, prepare_argv,
                                             stop_workers_with_this_process)
@@ -73,7 +73,7 @@ if __name__ == "__main__":
     overrides = sys.argv[1:]
     export_swept_keys(overrides)  # a sweep job's directory names what is swept, wherever it runs
     conf = str(Path(__file__).resolve().parent / "conf")
-    sweep_dir, tolerated = None, 0.0
+    sweep_dir, tolerated, elsewhere = None, 0.0, False
     if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
@@ -89,10 +89,10 @@ if __name__ == "__main__":
         sweep_hydra = sweep_hydra_config(conf, jobs)
         if runs_jobs_in_parallel(sweep_hydra):
             stop_workers_with_this_process()  # a stop reaches the workers; joblib's abort does not end them
-        tolerated = failures_tolerated(sweep_hydra)
+        tolerated, elsewhere = failures_tolerated(sweep_hydra), runs_jobs_elsewhere(sweep_hydra)
     started = time.time()
     main()
     # a sweep goes on past a failed job, then says so in its exit status (a script, a SLURM dependency)
-    if sweep_dir and len(failed := sweep_failures(Path(sweep_dir), started)) > tolerated:
+    if sweep_dir and len(failed := sweep_failures(Path(sweep_dir), started, elsewhere)) > tolerated:
         sys.exit(f"error: {len(failed)} job(s) of the sweep failed: {', '.join(failed)}; each one's summary.json "
                  f"and train.log say why, the other jobs' results stand ({sweep_dir})")

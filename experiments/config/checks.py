@@ -301,6 +301,12 @@ def runs_jobs_in_parallel(hydra: Optional[DictConfig]) -> bool:
     return hydra is not None and "joblib" in str(hydra.launcher.get("_target_", ""))
 
 
+def runs_jobs_elsewhere(hydra: Optional[DictConfig]) -> bool:
+    """Whether the sweep's launcher runs its jobs in other processes (joblib's workers, SLURM's tasks),
+    whose failures this process learns only from their summaries."""
+    return hydra is not None and any(name in str(hydra.launcher.get("_target_", "")) for name in ("joblib", "submitit"))
+
+
 def failures_tolerated(hydra: Optional[DictConfig]) -> float:
     """How many of a sweep's jobs may fail before it exits 1: Optuna's `max_failure_rate` (0 by
     default) of its `n_trials`; none under any other sweeper."""

@@ -301,13 +301,14 @@ def _row_step(line: str) -> Optional[int]:
         return None  # a line torn by a kill: dropped
 
 
-def sweep_failures(sweep_dir: Path, since: float) -> list[str]:
+def sweep_failures(sweep_dir: Path, since: float, elsewhere: bool = True) -> list[str]:
     """The jobs of the sweep in `sweep_dir` that failed in a launch begun at time `since`, by name:
-    those this process ran (a refused rerun too, which leaves its directory as it was) and those
-    whose summary.json, written since, records "failed" (what a parallel or SLURM launcher ran in
-    other processes)."""
+    those this process ran (a refused rerun too, which leaves its directory as it was) and, where
+    the jobs ran `elsewhere` (a parallel or SLURM launcher's processes), those whose summary.json,
+    written since, records "failed" (read only then: another launch into the same directory writes
+    summaries too)."""
     failed = [name for when, name in _failed_here if when >= since]
-    for path in sorted(Path(sweep_dir).rglob(SUMMARY)) if Path(sweep_dir).is_dir() else []:
+    for path in sorted(Path(sweep_dir).rglob(SUMMARY)) if elsewhere and Path(sweep_dir).is_dir() else []:
         try:
             # 2 s of slack: a file system may keep whole seconds; no earlier launch ends so close to this one
             if path.stat().st_mtime >= since - 2.0 and json.loads(path.read_text()).get("status") == "failed":

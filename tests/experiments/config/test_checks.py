@@ -68,3 +68,10 @@ def test_a_sweep_tolerates_failed_jobs_only_as_optunas_max_failure_rate_allows()
                                               "hydra.sweeper.max_failure_rate=0.29"])
     assert 29 <= checks.failures_tolerated(optuna) < 30  # as Optuna's failures / n_trials > rate has it
     assert checks.failures_tolerated(None) < 1  # a sweep whose hydra section does not compose
+
+
+def test_jobs_run_elsewhere_under_the_parallel_and_slurm_launchers_alone():
+    root = str(ROOT / "conf")
+    assert not checks.runs_jobs_elsewhere(checks.sweep_hydra_config(root, ["model.depth=1,2"]))
+    for launcher in ("local_gpus", "slurm"):
+        assert checks.runs_jobs_elsewhere(checks.sweep_hydra_config(root, [f"hydra/launcher={launcher}"]))

@@ -76,6 +76,8 @@ def test_sweep_failures_are_this_launchs_failed_jobs(tmp_path, monkeypatch):
     monkeypatch.setattr(run_module, "_failed_here", [])
     assert sweep_failures(tmp_path, started) == ["a=2/seed=0"]
     assert sweep_failures(tmp_path / "missing", started) == []
+    # jobs run in this process: its own record alone (another launch into the directory writes summaries)
+    assert sweep_failures(tmp_path, started, elsewhere=False) == []
 
 
 def test_a_second_stop_signal_of_the_same_kind_stops_at_once_another_kind_does_not(tmp_path):
