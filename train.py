@@ -63,10 +63,11 @@ if __name__ == "__main__":
     from pathlib import Path
 
     from experiments.config.checks import (composition_error, failures_tolerated, runs_jobs_elsewhere,
-                                          runs_jobs_in_parallel, sweep_error, sweep_hydra_config)
+                                          runs_jobs_in_parallel, searches_with_optuna, sweep_error,
+                                          sweep_hydra_config)
     from experiments.config.resolvers import export_swept_keys
-    from experiments.runtime.launch import (claim_output_dir, output_dir_error, prepare_argv,
-                                            stop_workers_with_this_process)
+    from experiments.runtime.launch import (claim_output_dir, end_optuna_sweep_without_a_best, output_dir_error,
+                                            prepare_argv, stop_workers_with_this_process)
     from experiments.runtime.run import sweep_failures
 
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]  # a launcher's --local_rank, before Hydra parses argv
@@ -89,6 +90,8 @@ if __name__ == "__main__":
         sweep_hydra = sweep_hydra_config(conf, jobs)
         if runs_jobs_in_parallel(sweep_hydra):
             stop_workers_with_this_process()  # a stop reaches the workers; joblib's abort does not end them
+        if searches_with_optuna(sweep_hydra):
+            end_optuna_sweep_without_a_best()
         tolerated, elsewhere = failures_tolerated(sweep_hydra), runs_jobs_elsewhere(sweep_hydra)
     started = time.time()
     main()

@@ -88,6 +88,19 @@ def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
 
 
 @pytest.mark.slow
+def test_optuna_sweep_whose_every_trial_fails_ends_in_one_line(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = train_py("-m", f"hydra.sweep.dir={sweep}", "experiment=nsa_optuna", "hydra.sweeper.n_trials=2",
+                      *TINY_NSA, "trainer.max_steps=2", "model.num_tokens=128")
+    # the study has no best trial to write: the sweeper's traceback used to end the sweep
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 2 job(s) of the sweep failed: trial=0,") and ", trial=1," in last, last
+    assert [read_summary(p.parent)["status"] for p in sorted(sweep.rglob("summary.json"))] == ["failed", "failed"]
+
+
+@pytest.mark.slow
 def test_two_job_sweep_of_the_issue_leaves_two_directories(tmp_path):
     sweep = tmp_path / "sweep"
     result = train_py("-m", f"hydra.sweep.dir={sweep}", *TINY, "model=transformer", "trainer.max_steps=2",

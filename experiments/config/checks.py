@@ -316,6 +316,11 @@ def failures_tolerated(hydra: Optional[DictConfig]) -> float:
     return float(hydra.sweeper.get("max_failure_rate", 0.0)) * hydra.sweeper.get("n_trials", 0) + 1e-9
 
 
+def searches_with_optuna(hydra: Optional[DictConfig]) -> bool:
+    """Whether the sweep's trials are Optuna's (`hydra/sweeper=optuna`), not a grid of overrides."""
+    return hydra is not None and "optuna" in str(hydra.sweeper.get("_target_", ""))
+
+
 def _sweep_options_error(config_dir: str, overrides: list[str]) -> Optional[str]:
     """The parallel launcher's and Optuna's options that would fail the sweep after its directory is
     made (joblib's n_jobs=0, Optuna's n_trials=0 or an unknown direction), as one line. A SLURM
@@ -326,7 +331,7 @@ def _sweep_options_error(config_dir: str, overrides: list[str]) -> Optional[str]
     if runs_jobs_in_parallel(hydra) and (not isinstance(launcher.get("n_jobs"), int) or launcher.n_jobs == 0):
         return (f"hydra.launcher.n_jobs={launcher.get('n_jobs')} must be the number of jobs at once (1 or more; "
                 "-1: one a CPU)")
-    if "optuna" in str(sweeper.get("_target_", "")):
+    if searches_with_optuna(hydra):
         if not (isinstance(sweeper.get("n_trials"), int) and sweeper.n_trials >= 1):
             return f"hydra.sweeper.n_trials={sweeper.get('n_trials')} must be at least 1"
         directions = sweeper.get("direction")

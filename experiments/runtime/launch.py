@@ -149,6 +149,24 @@ def stop_workers_with_this_process() -> None:
             signal.signal(sig, stop)
 
 
+def end_optuna_sweep_without_a_best() -> None:
+    """An Optuna sweep whose every trial failed ends as any sweep with failed jobs does (train.py's
+    line naming them, exit 1), not in the sweeper's traceback: after its last trial it asks the study
+    for its best ("No trials are completed yet"), and there is none to write."""
+    from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
+
+    sweep = OptunaSweeperImpl.sweep
+
+    def sweep_to_the_end(self, arguments):
+        try:
+            return sweep(self, arguments)
+        except ValueError as error:
+            if "No trials are completed yet" not in str(error):
+                raise
+
+    OptunaSweeperImpl.sweep = sweep_to_the_end
+
+
 def _children() -> list[int]:
     """This process's child processes, from every thread's /proc children list."""
     from pathlib import Path
