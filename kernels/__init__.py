@@ -7,6 +7,7 @@ by the one rule of dispatch.py; the paths differ by package:
                                                             (the CPU kernel), triton.py
     selected_attention                                      reference.py (chunked PyTorch), triton.py
     span_attention                                          span_attention.c (the CPU kernel) alone
+    moba_attention                                          span_attention's C kernel, selected_attention's paths
     nsa_attention                                           the three branches over several files: chunked and
                                                             tiled torch, selection.c and cpu.py, fused Triton
 

@@ -15,10 +15,10 @@ the heads of a group share their blocks, chosen by the sum of their scores (the 
 summed, as NSA sums its importance over a group); at kv_heads = heads each head chooses alone, as
 in the paper.
 
-The block attention is NSA's selected-block attention with other indices
-(kernels/selected_attention/: torch, or Triton on CUDA) or, on the CPU, the span-attention C kernel
-NSA's selected branch runs on there (kernels/span_attention/), which applies the rotary positions
-itself in training and keeps only the log-sum-exp for the backward. Block choice is chunked over
+The block attention over the chosen blocks is one operator, kernels/moba_attention/, which picks
+its path: NSA's selected-block attention with other indices (torch, or Triton on CUDA) or, on the
+CPU, the span-attention C kernel NSA's selected branch runs on there, which applies the rotary
+positions itself in training and keeps only the log-sum-exp for the backward. Block choice is chunked over
 the queries, so no [seq, seq / block_size] score tensor is kept at long context. Decoding keeps
 the keys, values and the means of the complete blocks in the cache.
 """
@@ -30,15 +30,12 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from kernels import at_least_fp32
-from kernels import span_attention as spans
-from kernels import dispatch
-from kernels.selected_attention import selected_attention, triton_problem
+from kernels.moba_attention import cpu_built, moba_attention, triton_problem
 from models.attention import cache as kv_cache
 from models.attention.knobs import check_at_least_1, check_gqa, check_kernel, check_no_dropout
 from models.rotary import Rotary
 
 _GATE_CHUNK = 1 << 22  # gate scores (query, block) per chunk of queries
-_TRITON_MAX_BLOCK = 128  # the Triton selected-attention kernel's largest block
 
 
 class MixtureOfBlockAttention(nn.Module):
@@ -80,20 +77,11 @@ class MixtureOfBlockAttention(nn.Module):
             means = block_means(k_gate, self.block)
         blocks, valid = self._choose(q_gate, means, start)
         if cache is not None:  # the cache holds rotated keys
-            q_rot = self.rotary(q.flatten(1, 2), start).view_as(q)
-            out = self._attend(q_rot, k_gate, v, blocks, valid, start)
-        elif self._runs_on(q) == "cpu":  # rotated inside the kernel: no rotated copy is kept for the backward
-            out = self._span_attention(q, k, v, blocks, valid, start, self.rotary.phases(x.shape[1], x.device))
-        else:
-            out = self._block_attention(*self._rotate(q, k, start), v, blocks, valid, start)
+            out = moba_attention(self.rotary(q.flatten(1, 2), start).view_as(q), k_gate, v, blocks, valid, start,
+                                 self.block, self.kernel)
+        else:  # rotated by the path (the C kernel: inside it, no rotated copy kept for the backward)
+            out = moba_attention(q, k, v, blocks, valid, start, self.block, self.kernel, rotary=self.rotary)
         return self.to_out(rearrange(out, "b h g n d -> b n (h g d)"))
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, valid: Tensor, start: int) -> Tensor:
-        """Rotated q [b, h, g, m, d] at positions start.. over their blocks of rotated keys k and
-        values v [b, h, n, d], on the kernel `kernel` picks -> [b, h, g, m, d]."""
-        if self._runs_on(q) == "cpu":
-            return self._span_attention(q, k, v, blocks, valid, start)
-        return self._block_attention(q, k, v, blocks, valid, start)
 
     def _rotate(self, q: Tensor, k: Tensor, start: int) -> tuple[Tensor, Tensor]:
         """Rotary positions from `start`: q [b, h, g, n, d], k [b, h, n, d] -> the same, rotated."""
@@ -123,42 +111,6 @@ class MixtureOfBlockAttention(nn.Module):
             valid = torch.cat((valid.new_ones(b, h, m, 1), valid), dim=-1)  # (valid may have no slot: top_k 1)
         return blocks, valid
 
-    def _block_attention(self, q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, valid: Tensor, start: int) -> Tensor:
-        """Selected-block attention over the chosen blocks: rotated q [b, h, g, m, d], k, v
-        [b, h, n, d], blocks, valid [b, h, m, slots] -> [b, h, g, m, d].
-
-        The Triton kernel takes blocks that are powers of two up to 128, so each block is given as
-        its consecutive sub-blocks of the largest such size that divides block_size: the same keys,
-        the same attention (one softmax over all of them), on every kernel."""
-        b = q.shape[0]
-        sub = _sub_block(self.block)
-        parts = self.block // sub
-        if parts > 1:  # sub-blocks that start after their query (past the sequence's end too) are left out
-            blocks = (blocks[..., None] * parts + torch.arange(parts, device=q.device)).flatten(-2)
-            positions = torch.arange(start, start + q.shape[3], device=q.device)[:, None]
-            valid = valid.repeat_interleave(parts, dim=-1) & (blocks * sub <= positions)
-            blocks = blocks.masked_fill(~valid, 0)  # an unused slot must still name a block of the sequence
-        out, _ = selected_attention(rearrange(q, "b h g n d -> (b h) n g d"), k.flatten(0, 1), v.flatten(0, 1),
-                                    blocks.flatten(0, 1), valid.flatten(0, 1), start, sub, self._runs_on(q))
-        return rearrange(out, "(b h) n g d -> b h g n d", b=b)
-
-    def _span_attention(self, q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, valid: Tensor, start: int,
-                        phases: Optional[Tensor] = None) -> Tensor:
-        """The same on the CPU kernel, each block a span of keys cut after the query: q [b, h, g, m, d]
-        (rotated, or not with `phases`, which the kernel applies itself) -> [b, h, g, m, d]."""
-        first = blocks * self.block
-        query_end = torch.arange(start + 1, start + q.shape[3] + 1, device=q.device)[:, None]
-        end = torch.minimum(first + self.block, query_end).masked_fill(~valid, 0)
-        key_spans = torch.stack((first.masked_fill(~valid, 0), end), dim=-1).flatten(0, 1)
-        out, _ = spans.span_attention(q, k, v, key_spans, phases=phases)
-        return out
-
-    def _runs_on(self, q: Tensor) -> str:
-        """Which kernel runs the blocks, by kernels/dispatch.py's rule: "cpu" (span attention),
-        "triton" (selected attention) or "torch"."""
-        return dispatch.choose(q, self.kernel, triton_problem(self.group, self.dim_head, _sub_block(self.block)),
-                               spans.available, "MoBA")
-
     # ---- cache -----------------------------------------------------------------------------------
 
     def truncate_cache(self, cache: dict, length: int) -> None:
@@ -180,11 +132,6 @@ class MixtureOfBlockAttention(nn.Module):
         return k, v, means
 
 
-def _sub_block(block: int) -> int:
-    """The largest power of two up to the Triton kernel's largest block that divides `block`."""
-    return min(block & -block, _TRITON_MAX_BLOCK)
-
-
 def block_means(k: Tensor, block: int) -> Tensor:
     """The mean key of every complete block: k [b, h, n, d] -> [b, h, n // block, d]."""
     complete = k.shape[2] // block
@@ -196,4 +143,4 @@ def _check(heads, kv_heads, dim_head, block_size, top_k, dropout, kernel) -> Non
     check_gqa(heads, kv_heads)
     check_at_least_1(block_size=block_size, top_k=top_k)
     check_no_dropout(dropout, "MoBA's block kernels")
-    check_kernel(kernel, "MoBA", spans.available, triton_problem(heads // kv_heads, dim_head, _sub_block(block_size)))
+    check_kernel(kernel, "MoBA", cpu_built, triton_problem(heads // kv_heads, dim_head, block_size))
