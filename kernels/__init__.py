@@ -18,8 +18,6 @@ Nothing here imports models/ or experiments/, and nothing imports Triton until a
 
 import torch
 
-from kernels.dispatch import triton_interpreting, triton_runnable  # noqa: F401 (the package's public checks)
-
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     """Softmax scores and statistics in fp32 at least: half-precision sums lose the small terms

@@ -51,18 +51,18 @@ def triton_runnable() -> bool:
     return TRITON_INSTALLED and (torch.cuda.is_available() or triton_interpreting())
 
 
-def power_of_two(name: str, value: int, high: int, low: Optional[int] = None, verb: str = "must be") -> Optional[str]:
-    """What is wrong with `name`=value as a tile side (a power of two, from low, up to high), or None;
-    verb "to be" phrases it as what a kernel needs."""
+def power_of_two(name: str, value: int, high: int, low: Optional[int] = None) -> Optional[str]:
+    """What a kernel needs of `name`=value as a tile side (a power of two, from low, up to high),
+    phrased to follow "needs", or None where it has it."""
     if (low is None or value >= low) and value <= high and value > 0 and not value & (value - 1):
         return None
-    return f"{name}={value} {verb} a power of two " + (f"from {low} to {high}" if low else f"up to {high}")
+    return f"{name}={value} to be a power of two " + (f"from {low} to {high}" if low else f"up to {high}")
 
 
-def dim_supported(dim_head: int) -> bool:
-    """Whether the Triton kernels take this dim_head (a power of two from 16 to 256: a whole number of
-    tensor-core tiles, and registers enough for a row)."""
-    return power_of_two("dim_head", dim_head, 256, low=16) is None
+def group_at_most(group: int, high: int = 64) -> Optional[str]:
+    """What the group-centric kernels (registers for `high` rows) need of the GQA group, phrased to
+    follow "needs", or None."""
+    return f"the GQA group (heads / kv_heads = {group}) to be at most {high}" if group > high else None
 
 
 def check(kernel: str, what: str, triton_problem: Optional[str] = "no Triton kernel",
@@ -112,8 +112,8 @@ def triton_missing(x: Optional[torch.Tensor] = None) -> Optional[str]:
 
 
 def refuse(kernel: str, x: torch.Tensor, *problems: Optional[str]) -> None:
-    """One ValueError naming every problem (None: none) that keeps the Triton `kernel` from running on
-    x here, and what to do instead; nothing if there is none."""
+    """One ValueError naming every problem (None: none; each phrased to follow "needs") that keeps the
+    Triton `kernel` from running on x here, and what to do instead; nothing if there is none."""
     found = [problem for problem in (*problems, triton_missing(x)) if problem]
     if found:
-        raise ValueError(f"the Triton {kernel} kernel cannot run this: " + "; ".join(found) + ". Use model.kernel=torch")
+        raise ValueError(f"the Triton {kernel} kernel needs " + "; ".join(found) + ": use model.kernel=torch")

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import power_of_two, refuse, triton_interpreting  # noqa: F401 (the kernels' shape checks)
+from kernels.dispatch import refuse, triton_interpreting  # noqa: F401 (the kernels' shape checks)
 from kernels.triton_interpreter import quicken
 
 if triton_interpreting():
@@ -54,11 +54,6 @@ def readers_per_tile(group: int, use_dot: bool) -> tuple[int, int]:
     group fills a tensor-core tile of 64 rows with several queries instead of padding with zeros."""
     rows = triton.next_power_of_2(group) if use_dot else padded_group(group, use_dot)
     return rows, max(1, 64 // rows)
-
-
-def group_problem(group: int) -> str | None:
-    """What is wrong with this GQA group for the group-centric kernels (registers for 64 rows), or None."""
-    return f"the GQA group (heads / kv_heads = {group}) must be at most 64" if group > 64 else None
 
 
 def backward_delta(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:

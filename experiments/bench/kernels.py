@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     REPEATS = args.repeats
     dtype = DTYPES[args.dtype]
     from experiments.runtime.throughput import device_name
-    from kernels import triton_interpreting
+    from kernels.dispatch import triton_interpreting
 
     rate, bandwidth = ceilings(device, dtype, REPEATS)
     print(f"{device_name(device)}, {args.dtype}, batch 1; measured ceilings: matrix product "

@@ -31,8 +31,8 @@ def cpu_built() -> bool:
 
 def triton_problem(group: int, dim_head: int) -> Optional[str]:
     """What the Triton kernels need that this shape lacks (one phrase), or None."""
-    return (dispatch.power_of_two("dim_head", dim_head, 256, verb="to be")
-            or (f"the GQA group (heads / kv_heads = {group}) to be at most 64" if group > 64 else None))
+    return (dispatch.power_of_two("dim_head", dim_head, 256)
+            or dispatch.group_at_most(group))
 
 
 def gather_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, start: int,

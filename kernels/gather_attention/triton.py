@@ -27,9 +27,10 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import counters, flops
+from kernels.gather_attention import triton_problem
 from kernels.selected_attention.reference import distinct_slots
-from kernels.triton_tiles import (backward_delta, group_problem, key_grads_step, key_tile_start, load_backward_rows,
-                                  load_keys, load_readers, padded_group, power_of_two, probabilities, pv,
+from kernels.triton_tiles import (backward_delta, key_grads_step, key_tile_start, load_backward_rows,
+                                  load_keys, load_readers, padded_group, probabilities, pv,
                                   query_program, readers_per_tile, refuse, softmax_start, softmax_step,
                                   store_key_grads, store_softmax, tiles_usable, visible_to_readers, with_dim)
 
@@ -37,7 +38,7 @@ KEY_TILE = 16  # keys per tile of the dk, dv kernel (at most 63: a query's choic
 
 
 def check_supported(q: Tensor) -> None:
-    refuse("gather-attention", q, power_of_two("dim_head", q.shape[3], 256), group_problem(q.shape[2]))
+    refuse("gather-attention", q, triton_problem(q.shape[2], q.shape[3]))
 
 
 @triton.jit

@@ -30,7 +30,7 @@ def cpu_built() -> bool:
 
 def triton_problem(index_dim_head: int) -> Optional[str]:
     """What the Triton kernel needs that this shape lacks (one phrase), or None."""
-    return dispatch.power_of_two("index_dim_head", index_dim_head, 256, low=16, verb="to be")
+    return dispatch.power_of_two("index_dim_head", index_dim_head, 256, low=16)
 
 
 def index_topk(q: Tensor, k: Tensor, w: Tensor, start: int, top_k: int, kernel: str = "torch") -> Tensor:

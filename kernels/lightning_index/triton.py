@@ -18,14 +18,15 @@ from torch import Tensor
 
 from kernels import counters
 from kernels.lightning_index.reference import top_keys
-from kernels.triton_tiles import power_of_two, qk, refuse, tiles_usable
+from kernels.lightning_index import triton_problem
+from kernels.triton_tiles import qk, refuse, tiles_usable
 
 BLOCK_M, BLOCK_N = 32, 32
 _CHUNK = 1 << 22  # ranking keys per chunk (int64: 32 MiB)
 
 
 def check_supported(q: Tensor) -> None:
-    refuse("lightning-indexer", q, power_of_two("index_dim_head", q.shape[-1], 256, low=16))
+    refuse("lightning-indexer", q, triton_problem(q.shape[-1]))
 
 
 @triton.jit

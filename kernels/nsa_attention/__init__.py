@@ -42,9 +42,9 @@ class Rotary(Protocol):
 
 def triton_problem(group: int, dim_head: int, fine: int) -> Optional[str]:
     """What the fused kernels need that this shape lacks (one phrase, to follow "needs"), or None."""
-    return (dispatch.power_of_two("dim_head", dim_head, 256, low=16, verb="to be")
-            or dispatch.power_of_two("the GQA group (heads / kv_heads)", group, 64, verb="to be")
-            or dispatch.power_of_two("fine_block_size", fine, 128, verb="to be"))
+    return (dispatch.power_of_two("dim_head", dim_head, 256, low=16)
+            or dispatch.power_of_two("the GQA group (heads / kv_heads)", group, 64)
+            or dispatch.power_of_two("fine_block_size", fine, 128))
 
 
 @dispatch.constant_result  # torch.compile reads the answer, never the compiler's files

@@ -37,7 +37,7 @@ def num_blocks(seq: int, block: int, stride: int, first: int) -> int:
 
 def triton_problem(dim_head: int, hidden: int) -> Optional[str]:
     """What the Triton kernels need that this shape lacks (one phrase, to follow "needs"), or None."""
-    return dispatch.power_of_two("dim_head", dim_head, 256, low=16, verb="to be") or (
+    return dispatch.power_of_two("dim_head", dim_head, 256, low=16) or (
         f"the compressor's hidden width ({hidden}) to be at most {MAX_HIDDEN}" if hidden > MAX_HIDDEN else None)
 
 

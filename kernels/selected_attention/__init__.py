@@ -16,9 +16,9 @@ from kernels.selected_attention.reference import SelectedAttention
 
 def triton_problem(group: int, dim_head: int, block: int) -> Optional[str]:
     """What the Triton kernels need that this shape lacks (one phrase), or None."""
-    return (dispatch.power_of_two("dim_head", dim_head, 256, verb="to be")
-            or (f"the GQA group (heads / kv_heads = {group}) to be at most 64" if group > 64 else None)
-            or dispatch.power_of_two("fine_block_size", block, 128, verb="to be"))
+    return (dispatch.power_of_two("dim_head", dim_head, 256)
+            or dispatch.group_at_most(group)
+            or dispatch.power_of_two("fine_block_size", block, 128))
 
 
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, valid: Tensor, start: int,

@@ -35,15 +35,15 @@ from torch import Tensor
 
 from kernels import flops
 from kernels.selected_attention.reference import distinct_slots
-from kernels.triton_tiles import (backward_delta, group_problem, key_grads_step, key_tile_start, load_backward_rows,
-                                  load_keys, load_readers, padded_group, power_of_two, probabilities, pv,
+from kernels.selected_attention import triton_problem
+from kernels.triton_tiles import (backward_delta, key_grads_step, key_tile_start, load_backward_rows,
+                                  load_keys, load_readers, padded_group, probabilities, pv,
                                   query_program, readers_per_tile, refuse, softmax_start, softmax_step,
                                   store_key_grads, store_softmax, tiles_usable, visible_to_readers, with_dim)
 
 
 def check_supported(q: Tensor, block: int) -> None:
-    refuse("selected-attention", q, power_of_two("dim_head", q.shape[3], 256), group_problem(q.shape[2]),
-           power_of_two("fine_block_size", block, 128))
+    refuse("selected-attention", q, triton_problem(q.shape[2], q.shape[3], block))
 
 
 @triton.jit

@@ -21,8 +21,6 @@ from kernels.native import load, pointer, row_strides, rows_as_they_lie, transpo
 
 _SOURCE = Path(__file__).with_name("span_attention.c")
 _SIGNATURES = (("span_attention_forward", 9, 16), ("span_attention_backward", 16, 18), ("span_extent", 2, 3))
-# element types the kernel runs in fp32 without losing what the caller asked for
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dispatch.constant_result  # torch.compile reads the answer, never the compiler's files
@@ -55,7 +53,7 @@ def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor, weights: Opti
              so that attentions over disjoint keys merge exactly. A query with no key gets zeros
              and a log-sum-exp of -inf.
 
-    Computed in fp32 whatever the inputs' dtype (one of KERNEL_DTYPES). The kernel is the custom
+    Computed in fp32 whatever the inputs' dtype (one of kernels.dispatch.C_KERNEL_DTYPES). The kernel is the custom
     operator `sparse_attention::span_attention` (its backward `span_attention_backward`), so
     torch.compile traces through it: new outputs only, no input written.
     """

@@ -54,4 +54,19 @@ def test_the_constant_mark_is_torchs_own():
 def test_a_tile_side_is_a_power_of_two_within_both_bounds_inclusive():
     assert [v for v in range(1, 300) if dispatch.power_of_two("side", v, 256, low=16) is None] == [16, 32, 64, 128, 256]
     assert [v for v in range(-2, 70) if dispatch.power_of_two("side", v, 64) is None] == [1, 2, 4, 8, 16, 32, 64]
-    assert dispatch.power_of_two("side", 512, 256, low=16) == "side=512 must be a power of two from 16 to 256"
+    assert dispatch.power_of_two("side", 512, 256, low=16) == "side=512 to be a power of two from 16 to 256"
+
+
+@pytest.mark.skipif(not dispatch.TRITON_INSTALLED, reason="Triton is not installed: the refusal would name that too")
+def test_a_triton_kernel_refuses_a_shape_by_its_packages_rule_in_one_line(monkeypatch):
+    """A Triton kernel reached directly, not through its package's operator, refuses by the operator's
+    rule, phrased as what it needs."""
+    from kernels.selected_attention import triton_problem
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError) as refused:
+        dispatch.refuse("selected-attention", torch.zeros(1), triton_problem(group=128, dim_head=24, block=8))
+    assert str(refused.value) == ("the Triton selected-attention kernel needs dim_head=24 to be a power of two up to "
+                                  "256: use model.kernel=torch")
+    assert dispatch.group_at_most(128) == "the GQA group (heads / kv_heads = 128) to be at most 64"
+    dispatch.refuse("selected-attention", torch.zeros(1), triton_problem(group=64, dim_head=16, block=8))  # takes it
