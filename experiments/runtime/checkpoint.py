@@ -49,7 +49,8 @@ def resolve(spec: str | Path, key: str = "trainer.resume") -> Path:
     if path.is_dir():
         found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
         if not found:
-            raise UserError(f"{key}={spec}: no checkpoint found in {path}/checkpoints")
+            raise UserError(f"{key}={spec} is not a run directory (it holds no checkpoints/step_*.pt): point it at "
+                            "a run directory that has written a checkpoint, or at a checkpoint file")
         return found[-1]
     if not path.is_file():
         raise UserError(f"{key}={spec}: no such checkpoint file or run directory")

@@ -16,7 +16,6 @@ them and never reads the source again (experiments/tasks/loop.py).
 
 import hashlib
 import re
-from pathlib import Path
 
 from omegaconf import OmegaConf
 from torch import nn
@@ -31,25 +30,11 @@ KEY = "trainer.init_from"
 RUN_STATE = ("steps",)
 
 
-def resolve(spec: str) -> Path:
-    """The checkpoint init_from names: a file, or a run directory's latest checkpoint; one line otherwise."""
-    path = Path(spec)
-    if not path.exists():
-        raise UserError(f"{KEY}={spec}: no such checkpoint file or run directory")
-    if path.is_dir():
-        found = checkpoint.list_checkpoints(path / "checkpoints") or checkpoint.list_checkpoints(path)
-        if not found:
-            raise UserError(f"{KEY}={spec} is not a run directory (it holds no checkpoints/step_*.pt): point it at a "
-                            "run directory that has written a checkpoint, or at a checkpoint file")
-        return found[-1]
-    return path
-
-
 def initialise(nets: dict[str, nn.Module], spec: str, model_cfg: dict, strict: bool = True) -> dict:
     """Load the source's matching weights into each net (by prefix, "" the model) -> the report that
     summary.json records. model_cfg: {prefix: this run's config of that net}, to refuse a source of
     another kind (a dVAE into a language model) before any weight is touched."""
-    path = resolve(spec)
+    path = checkpoint.resolve(spec, key=KEY)
     state = checkpoint.load(path, map_location="cpu", key=KEY)
     source_cfg = OmegaConf.create(state.get("config") or "")
     report = {"path": str(path), "step": int(state.get("step", 0)), "fingerprint": fingerprint(state),

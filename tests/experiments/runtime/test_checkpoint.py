@@ -60,7 +60,7 @@ def test_resolve_finds_the_latest_in_a_run_directory(tmp_path):
         checkpoint.save({"step": step}, tmp_path / "checkpoints", keep=3)
     assert checkpoint.resolve(tmp_path).name == "step_0000010.pt"
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="no checkpoint found"):
+    with pytest.raises(UserError, match="is not a run directory"):
         checkpoint.resolve(tmp_path / "empty")
     with pytest.raises(UserError, match="no such checkpoint file or run directory"):
         checkpoint.resolve(tmp_path / "nothing")

@@ -248,15 +248,6 @@ def test_two_ranks_warm_up_the_indexer_alone_as_one_process_of_twice_the_batch(t
     assert len(frozen) > 8 and [n for n in frozen if not torch.equal(warmed[n], source[n])] == []
 
 
-def test_init_from_a_run_directory_takes_its_latest_checkpoint(tmp_path):
-    from experiments.runtime.init_from import resolve
-
-    for step in (3, 10, 7):
-        (tmp_path / "checkpoints").mkdir(exist_ok=True)
-        (tmp_path / "checkpoints" / f"step_{step:07d}.pt").write_bytes(b"")
-    assert resolve(str(tmp_path)).name == "step_0000010.pt"
-
-
 def test_init_strict_false_reaches_the_loader_from_train_py(tmp_path):
     from tests.helpers.runs import TINY_LM, read_summary, train
 
