@@ -174,13 +174,14 @@ def branch_times(setting: dict, n: int, dtype: torch.dtype, device: torch.device
     """(forward ms, forward + backward ms) of the three branches on the fused Triton kernels
     (kernels/nsa_attention) on random inputs: q, the compressed keys and the gates given, so that
     the compressor and the projections are not timed."""
+    from kernels.nsa_attention.blocks import compressed_blocks
     from kernels.nsa_attention.fused import run as nsa_attention
     from kernels.nsa_attention.triton import Knobs
     from models.rotary import Rotary
 
     h, kv, d = setting["heads"], setting["kv_heads"], setting["dim_head"]
     block, stride, fine = setting["compress_block_size"], setting["compress_stride"], setting["fine_block_size"]
-    blocks = max(0, (n - block) // stride + 1)
+    blocks = compressed_blocks(n, block, stride)
     knobs = Knobs(block, stride, fine, min(3, setting["num_fine_selected"]),
                   min(max(0, setting["num_fine_selected"] - 3), max(0, -(-n // fine) - 3)),
                   setting["sliding_window_size"])

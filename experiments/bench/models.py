@@ -44,15 +44,17 @@ dependencies of this project: `pip install sinkhorn-transformer==0.11.4 routing-
 """
 
 import argparse
-import contextlib
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from experiments.config import register
 from experiments.config.checks import composition_error, flag_error
+
+if TYPE_CHECKING:
+    import torch
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 BENCH = ["model.num_tokens=256", "model.dim=256", "model.depth=4", "model.heads=4", "model.dim_head=64"]
@@ -108,16 +110,11 @@ def build(model_name: str, seq: int, threads: int, extra: list[str], device: str
     return cfg, model.to(device), forward
 
 
-def autocast(precision: str, device: str = "cpu"):
-    """The training step's precision, as the local backend sets it from trainer.precision."""
-    import torch
-
-    return contextlib.nullcontext() if precision == "fp32" else torch.autocast(device, dtype=torch.bfloat16)
-
-
 def training_loss(forward, tokens, precision: str, device: "torch.device"):
     """The LM loss of one batch of tokens [batch, seq + 1], in the step's precision."""
     import torch.nn.functional as F
+
+    from experiments.runtime.backends import autocast
 
     with autocast(precision, device.type):
         logits, aux = forward(tokens[:, :-1])
@@ -135,6 +132,7 @@ def measure(model_name: str, seq: int, batch: int, steps: int, threads: int, ext
     from experiments.bench.measure import median_seconds, settled_peak_mb, synced
     from experiments.data.text import ByteText
     from experiments.runtime import allocator
+    from experiments.runtime.backends import autocast
     from experiments.runtime.run import Run
     from experiments.runtime.throughput import (matmul_peak_flops, peak_memory_mb, reset_peak_memory,
                                                 training_flops_per_token)
@@ -268,6 +266,7 @@ def measure_decode(model_name: str, context: int, batch: int, steps: int, thread
     from experiments.bench.measure import median_seconds, synced
     from experiments.data.text import ByteText
     from experiments.runtime import allocator
+    from experiments.runtime.backends import autocast
     from experiments.runtime.throughput import peak_memory_mb, reset_peak_memory
     from models.sampling import decoding_linears
 

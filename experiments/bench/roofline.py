@@ -21,7 +21,7 @@ import torch
 
 from experiments.bench.counts import PHASES, io_bytes
 from kernels.flops import attention_flops, linear_flops
-from kernels.nsa_attention.blocks import keeps_branch_outputs
+from kernels.nsa_attention.blocks import compressed_blocks, keeps_branch_outputs
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def branch_work(setting: dict, n: int, element: int) -> dict[str, tuple[float, f
     h, kv, d = setting["heads"], setting["kv_heads"], setting["dim_head"]
     block, stride = setting["compress_block_size"], setting["compress_stride"]
     free = max(0, setting["num_fine_selected"] - 3)
-    blocks = max(0, (n - block) // stride + 1)
+    blocks = compressed_blocks(n, block, stride)
     q_bytes, out_bytes = n * h * d * element, n * h * d * element
     pairs = branch_pairs(setting, n)
     work = {
@@ -170,7 +170,7 @@ def nsa_parts(setting: dict, n: int, backward: bool, glue_over_io: float, elemen
     dim, h, kv, d = setting["dim"], setting["heads"], setting["kv_heads"], setting["dim_head"]
     block, stride = setting["compress_block_size"], setting["compress_stride"]
     hidden = max(1, int(d * setting.get("compress_hidden_mult", 1.0)))
-    blocks = max(0, (n - block) // stride + 1)
+    blocks = compressed_blocks(n, block, stride)
     scale = 1 + BACKWARD_BYTES if backward else 1
     projections = _linears([(dim, h * d), (dim, branches * 2 * kv * d), (dim, branches * h), (h * d, dim)], n,
                            element, backward)

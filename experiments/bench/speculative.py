@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from experiments.config.checks import flag_error
+from experiments.config.schema import DecodingEngine
 
 SEED_TARGET = dict(num_tokens=256, dim=512, depth=10, heads=8, dim_head=64)
 PRIME, LENGTH = 128, 512
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
     parser.add_argument("--primes", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the pair's decoding precision")
-    parser.add_argument("--engine", choices=["auto", "cache", "static", "compiled", "graphs"], default="auto",
+    parser.add_argument("--engine", choices=[e.value for e in DecodingEngine], default="auto",
                         help="how our decoders run (models/decoding.py); auto: graphs on CUDA, cache on the CPU")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--threads", type=int, default=2)

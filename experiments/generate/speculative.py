@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from experiments.config.checks import flag_error
+from experiments.config.schema import DecodingEngine
 from experiments.runtime.errors import UserError
 from experiments.tasks.members import load_members
 from experiments.tasks.speculative import compare_decoding
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="weights and activations for decoding. On a CPU with bf16 instructions, bf16 verifies "
                              "several tokens faster and decodes one token slower than fp32")
-    parser.add_argument("--engine", choices=["auto", "cache", "static", "compiled", "graphs"], default="auto",
+    parser.add_argument("--engine", choices=[e.value for e in DecodingEngine], default="auto",
                         help="how both decoders run (models/decoding.py): the growing cache, or static caches eager, "
                              "compiled, or replayed as CUDA graphs (greedy only); auto: graphs on CUDA, cache on the CPU")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

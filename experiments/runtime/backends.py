@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def autocast(precision: str, device_type: str):
+    """The forward's context for trainer.precision: fp32 as it is, bf16 and fp16 under autocast."""
+    return contextlib.nullcontext() if precision == "fp32" else torch.autocast(device_type, dtype=DTYPES[precision])
+
+
 @dataclass
 class Trainee:
     prefix: str  # of the model's checkpoint entries: "" for the model, "draft_" for the draft
@@ -105,9 +110,7 @@ class LocalBackend:
         return torch.compile(forward, mode=self.compile) if self.compile else forward
 
     def autocast(self):
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+        return autocast(self.precision, self.device.type)
 
     def accumulating(self, trainee: Trainee, last: bool):
         """Context for one micro-batch's forward and backward; `last`: the step's final one."""
