@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from experiments.runtime.throughput import sync
+from experiments.runtime.throughput import measure_matmul_flops, sync
 
 
 def median_seconds(step: Callable, steps: int, device: Optional[torch.device] = None, warmups: int = 1) -> float:
@@ -57,10 +57,9 @@ def added_peak_mb(fn: Callable, device: torch.device) -> Optional[float]:
 
 
 def ceilings(device: torch.device, dtype: torch.dtype, repeats: int = 10) -> tuple[float, float]:
-    """(matrix-product FLOP/s, memory bytes/s) measured here: a square product and a large copy."""
-    size = 8192 if device.type == "cuda" else 1024
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    rate = 2 * size**3 / median_seconds(lambda: a @ b, repeats, device, warmups=2)
+    """(matrix-product FLOP/s, memory bytes/s) measured here: the fastest square product (as MFU's
+    peak is read) and the median of a large copy."""
+    rate = measure_matmul_flops(device, dtype)
     src = torch.empty(2**28 if device.type == "cuda" else 2**25, device=device, dtype=torch.uint8)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() / median_seconds(lambda: dst.copy_(src), repeats, device, warmups=2)  # read + written
