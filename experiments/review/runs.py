@@ -416,7 +416,3 @@ def _alive(summary: dict) -> bool:
     except PermissionError:
         return True
     return True
-
-
-if __name__ == "__main__":
-    sys.exit(main())

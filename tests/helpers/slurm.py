@@ -24,6 +24,8 @@ from typing import Optional
 
 import pytest
 
+from tests.helpers.runs import free_port
+
 DAEMONS = ("slurmctld", "slurmd")
 COMMANDS = ("sbatch", "srun", "sinfo", "squeue", "scontrol", "scancel")
 PARTITION = "debug"
@@ -67,32 +69,12 @@ class Cluster:
         out = self.run("squeue", "-h", "-o", "%i").stdout
         return out.split()
 
-    def job_state(self, job_id: str) -> str:
-        """A job's state as slurmctld knows it (finished jobs stay known for MinJobAge seconds)."""
-        out = self.run("scontrol", "show", "job", "-o", str(job_id), check=False).stdout
-        fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
-        return fields.get("JobState", "UNKNOWN")
-
-    def wait_idle(self, timeout: float = 60) -> None:
-        """Until no job is pending or running."""
-        deadline = time.time() + timeout
-        while self.job_ids():
-            if time.time() > deadline:
-                raise AssertionError(f"jobs still queued after {timeout} s: {self.run('squeue').stdout}")
-            time.sleep(0.2)
-
     def logs(self, lines: int = 30) -> str:
         out = []
         for path in sorted((self.folder / "log").glob("*")):
             text = path.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"--- {path.name}\n" + "\n".join(text))
         return "\n".join(out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def memory_mb() -> int:

@@ -55,9 +55,11 @@ def test_every_option_composes_and_instantiates(compose, tmp_path, group, option
         assert type(optimizer) is {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[option]
         schedule = instantiate(cfg.schedule)(optimizer)
         assert schedule.get_last_lr()[0] > 0
-    elif group == "schedule":
+    elif group == "schedule":  # the first step's rate: the base one, or a warm-up's first share of it
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
         part(optimizer)
+        first = optimizer.param_groups[0]["lr"]
+        assert first == 1.0 if option in ("constant", "plateau") else 0 < first < 1
     elif group == "model":
         assert part(torch.zeros(1, 64, dtype=torch.long)).shape == (1, 64, 256)
     elif recall:  # inputs, targets (IGNORE but at the answers), depth bins
@@ -65,8 +67,16 @@ def test_every_option_composes_and_instantiates(compose, tmp_path, group, option
         assert inputs.shape == targets.shape == (2, part.seq_len) and depth.shape == (2,)
     elif group == "data":
         assert part.train_batch(2, seed=0, step=0).shape == (2, 65)
-    else:
-        assert part is not None
+    else:  # backend, tracker, task: the class the option names
+        from experiments.runtime import backends, trackers
+        from experiments.tasks import dalle, dvae, lm, recall, speculative
+
+        assert type(part) is {
+            ("backend", "local"): backends.LocalBackend, ("backend", "ddp"): backends.DDPBackend,
+            ("backend", "deepspeed"): backends.DeepSpeedBackend, ("tracker", "none"): trackers.NoTracker,
+            ("tracker", "wandb"): trackers.WandbTracker, ("task", "lm"): lm.LanguageModelTask,
+            ("task", "speculative"): speculative.SpeculativeTask, ("task", "dvae"): dvae.DiscreteVAETask,
+            ("task", "dalle"): dalle.TextToImageTask, ("task", "recall"): recall.RecallTask}[group, option]
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")))
