@@ -5,6 +5,7 @@
     speculative.py  python -m experiments.bench.speculative: plain and speculative decoding, beside the reference
     dalle.py        python -m experiments.bench.dalle: DALL-E training speed beside dalle-pytorch
     gpu_report.py   python -m experiments.bench.gpu_report OUT STAGE: everything a lent GPU measures, by stage
+    gpu_compile.py  python -m experiments.bench.gpu_compile: each Triton kernel compiled for a GPU, its resources
 
     measure.py      timing and measuring: medians of timed calls, peaks, ceilings, rounds in fresh processes
     agreement.py    one first training step on two devices, compared

@@ -1,2 +1,3 @@
 """The training loop (loop.py), the hooks a task defines (task.py), and the tasks: lm, speculative,
-dvae, dalle; members.py rebuilds trained models from a checkpoint."""
+dvae, dalle, recall (MQAR and passkey retrieval); positions.py is the language model's loss by
+position, members.py rebuilds trained models from a checkpoint."""

@@ -38,7 +38,7 @@ ROWS = 64  # query rows (positions x heads of a GQA group) per program: Hopper's
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # on a GPU the counts are the GPU's own
 # bf16 on a GPU; fp32 in the interpreter, where bf16 has no tensor-core tiles (triton_tiles.tiles_usable)
 # and would count other tile shapes than a GPU runs, at many times the time. Every budget is a ratio
-# or a count, the same in either dtype (measured: 61 launches, glue 2.23x, largest 3.0x q at count16)
+# or a count, the same in either dtype
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
