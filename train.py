@@ -66,8 +66,8 @@ if __name__ == "__main__":
                                           runs_jobs_in_parallel, searches_with_optuna, sweep_error,
                                           sweep_hydra_config)
     from experiments.config.resolvers import export_swept_keys
-    from experiments.runtime.launch import (claim_output_dir, end_optuna_sweep_without_a_best, output_dir_error,
-                                            prepare_argv, stop_workers_with_this_process)
+    from experiments.runtime.launch import (as_launched, claim_output_dir, end_optuna_sweep_without_a_best,
+                                            output_dir_error, prepare_argv, stop_workers_with_this_process)
     from experiments.runtime.run import sweep_failures
 
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]  # a launcher's --local_rank, before Hydra parses argv
@@ -76,6 +76,7 @@ if __name__ == "__main__":
     conf = str(Path(__file__).resolve().parent / "conf")
     sweep_dir, tolerated, elsewhere = None, 0.0, False
     if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
+        overrides = as_launched(overrides)  # `train.py hydra.run.dir=X` resumes X with X's overrides
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
         sys.argv = [sys.argv[0], *claim_output_dir(overrides)]  # its own directory, one for every rank

@@ -71,6 +71,19 @@ def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
     assert len(saved) == 1 and int(saved[0].stem.split("_")[1]) == summary["step"] >= 3
 
 
+def test_naming_a_run_alone_resumes_it_with_its_own_overrides(tmp_path):
+    run = tmp_path / "run"
+    train(run, "trainer.max_steps=2", "trainer.checkpoint_every=2")
+    before = read_summary(run)
+    result = train_py(f"hydra.run.dir={run}")  # the README's resume command: no overrides
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming {run} as it was launched: " in result.stderr and "trainer.max_steps=2" in result.stderr
+    assert read_summary(run)["status"] == "completed" and read_summary(run)["step"] == before["step"] == 2
+    # with an override, the command line is this launch's config: another config is refused, as before
+    changed = train_py(f"hydra.run.dir={run}", "model.depth=2")
+    assert changed.returncode == 1 and "was trained with a different config" in changed.stderr
+
+
 @pytest.mark.slow
 def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
     sweep = tmp_path / "sweep"

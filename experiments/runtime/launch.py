@@ -102,6 +102,24 @@ def prepare_argv(argv: list[str]) -> list[str]:
 RUN_DIR_FORMAT, SWEEP_DIR_FORMAT = "outputs/%Y-%m-%d/%H-%M-%S", "outputs/multirun/%Y-%m-%d/%H-%M-%S"
 
 
+def as_launched(argv: list[str]) -> list[str]:
+    """`train.py hydra.run.dir=X` alone, X a run: X's own overrides (its .hydra/overrides.yaml) before
+    the directory, so that naming a run resumes it as it was launched; argv as it is otherwise (other
+    overrides are this launch's config, which the run compares with its checkpoint's)."""
+    if len(argv) != 1 or not argv[0].startswith("hydra.run.dir="):
+        return argv
+    saved = os.path.join(argv[0].split("=", 1)[1], ".hydra", "overrides.yaml")
+    if not os.path.isfile(saved):
+        return argv
+    import yaml  # Hydra writes the list as YAML
+
+    with open(saved) as f:
+        earlier = [str(o) for o in yaml.safe_load(f) or []]
+    if earlier and rank() == 0:
+        print(f"resuming {argv[0].split('=', 1)[1]} as it was launched: {' '.join(earlier)}", file=sys.stderr)
+    return [*earlier, argv[0]]
+
+
 def claim_output_dir(argv: list[str]) -> list[str]:
     """argv naming a run (or, with -m, a sweep) directory that no other launch has. The timestamped
     default is made here with mkdir, which only one of two launches in the same second gets (the
