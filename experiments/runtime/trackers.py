@@ -4,6 +4,8 @@ import logging
 import os
 from typing import Optional
 
+from experiments.runtime.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
@@ -51,7 +53,18 @@ class WandbTracker(NoTracker):
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
-        self.wandb_run = wandb.init(
+        try:
+            self.wandb_run = self._init(wandb, run, config)
+        except (wandb.errors.UsageError, wandb.errors.CommError, wandb.errors.AuthenticationError) as e:
+            # not logged in, or no network: one line, as any setting that cannot work
+            raise UserError(f"tracker.mode={self.mode}: wandb refused to start ({str(e).splitlines()[0]}): run "
+                            "`wandb login` (or set WANDB_API_KEY) where the network reaches wandb, or use "
+                            "tracker.mode=offline") from None
+        if self.mode == "offline":
+            self._replay(run)
+
+    def _init(self, wandb, run, config: dict):
+        return wandb.init(
             project=self.project,
             entity=self.entity,
             mode=self.mode,
@@ -64,8 +77,6 @@ class WandbTracker(NoTracker):
             id=_run_id(run.dir),
             settings=wandb.Settings(console="off"),
         )
-        if self.mode == "offline":
-            self._replay(run)
 
     def _replay(self, run) -> None:
         """The rows of metrics.jsonl before this session (only those up to its checkpoint are left),

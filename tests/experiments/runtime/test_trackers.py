@@ -63,3 +63,17 @@ def test_images_outside_zero_to_one_are_clamped(wandb, tmp_path):
     [(array, caption)] = logged["samples"]
     assert step == 3 and caption == "a"
     assert array.reshape(-1).tolist() == [0, 0, 255, 255] and array.dtype == np.uint8
+
+
+def test_online_without_a_login_is_one_line_saying_what_to_do(tmp_path, monkeypatch):
+    """The real wandb, not logged in (no API key, no ~/.netrc): refused before any step."""
+    from experiments.runtime.errors import UserError
+
+    for key in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    with pytest.raises(UserError) as refused:
+        WandbTracker("project", mode="online").start(Run(tmp_path / "run"), config={})
+    assert str(refused.value).startswith("tracker.mode=online: wandb refused to start (")
+    assert "\n" not in str(refused.value) and "tracker.mode=offline" in str(refused.value)
