@@ -99,4 +99,4 @@ if __name__ == "__main__":
     # a sweep goes on past a failed job, then says so in its exit status (a script, a SLURM dependency)
     if sweep_dir and len(failed := sweep_failures(Path(sweep_dir), started, elsewhere)) > tolerated:
         sys.exit(f"error: {len(failed)} job(s) of the sweep failed: {', '.join(failed)}; each one's summary.json "
-                 f"and train.log say why, the other jobs' results stand ({sweep_dir})")
+                 f"and train.log say why (a refused rerun: its train.log), the jobs that completed stand ({sweep_dir})")

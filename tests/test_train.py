@@ -93,7 +93,7 @@ def test_sweep_records_a_failing_job_and_goes_on(tmp_path):
     assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: 1 job(s) of the sweep failed: model.num_tokens=128/seed=0; each one's summary.json and train.log "
-        f"say why, the other jobs' results stand ({sweep})")
+        f"say why (a refused rerun: its train.log), the jobs that completed stand ({sweep})")
     good, bad = sweep / "model.num_tokens=256" / "seed=0", sweep / "model.num_tokens=128" / "seed=0"
     assert read_summary(good)["status"] == "completed"
     failed = read_summary(bad)

@@ -260,7 +260,7 @@ class Run:
         launch.report_failure(message)
         if self.earlier and not self.accepted:  # refused: the earlier run stays as it was
             self.restore_hydra_files()
-            message += f" (nothing in {self.dir} was changed)"
+            message += f" (the run in {self.dir} was left as it was; its train.log notes this refusal)"
         # the first failing rank's error, not a collective's timeout on the ranks that waited for it
         self.summary["error"] = launch.first_failure() or message
         try:
