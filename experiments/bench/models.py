@@ -380,7 +380,7 @@ def main(argv=None) -> int:
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: print one JSON row
     args = parser.parse_args(argv)
     args.seq = args.seq or ([512] if args.count else [1024])
-    args.batch = args.batch or (1 if args.count else 4)
+    args.batch = (1 if args.count else 4) if args.batch is None else args.batch  # 0 is refused, not replaced
     if error := flag_error({flag: ("count", value) for flag, value in (
             ("--batch", args.batch), ("--steps", args.steps), ("--threads", args.threads), ("--repeat", args.repeat),
             ("--seq", min(args.seq)))}):
