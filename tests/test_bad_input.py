@@ -320,6 +320,7 @@ BENCHMARK_CASES = [
 BENCHMARK_FLAG_CASES = [
     ("experiments.bench.models", ["--seq", "1024", "0", "--repeat", "0"], "--repeat=0 must be at least 1; --seq=0 must"),
     ("experiments.bench.models", ["--batch", "0"], "--batch=0 must be at least 1"),  # not taken as the default
+    ("experiments.bench.speculative", ["--models"], "--models with none named measures nothing"),
     ("experiments.bench.models", ["--decode", "--tensor-peak"], "--tensor-peak measures a training step: leave out"),
     ("experiments.bench.speculative", ["--gamma", "0", "--primes", "0"], "--gamma=0 must be at least 1; --primes"),
     ("experiments.bench.speculative", ["--temperature", "-1"], "--temperature=-1.0 must be 0 or more"),

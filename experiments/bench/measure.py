@@ -104,10 +104,11 @@ def cuda_launches(call: Callable) -> tuple[int, int]:
 def measure_in_child(module: str, args: list[str]) -> tuple[dict, list[str]]:
     """`python -m module --one *args` in a fresh process (no allocator or cache state carried over)
     -> (the JSON row it prints last, the lines it printed before). Raises RuntimeError with its last
-    line of stderr when it fails."""
+    line of stderr when it fails (a setting's refusal as its message alone)."""
     out = subprocess.run([sys.executable, "-m", module, "--one", *args], capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError((out.stderr.strip().splitlines() or ["?"])[-1])
+        raise RuntimeError((out.stderr.strip().splitlines() or ["?"])[-1].removeprefix(
+            "experiments.runtime.errors.UserError: "))
     *before, last = out.stdout.strip().splitlines()
     return json.loads(last), before
 

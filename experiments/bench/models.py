@@ -422,6 +422,7 @@ def main(argv=None) -> int:
     print(f"{device_name(torch.device(device))}{threads}, {args.precision}, "
           f"{'decoding after a cache' if args.decode else 'training step'}", flush=True)
     rows: dict[tuple, list[dict]] = {}
+    failed = 0
     for _ in range(args.repeat):  # rounds interleave the models, so a noisy spell hits them all
         for seq in args.seq:
             for name in args.models:
@@ -434,16 +435,18 @@ def main(argv=None) -> int:
                         "--override", *args.override])
                 except RuntimeError as e:
                     print(f"{name:<14} {seq:>6} failed: {e}")
+                    failed += 1
                     continue
                 if profile:
                     print(f"{name} at {seq}:", *profile, sep="\n")
                 rows.setdefault((seq, name), []).append(row)
     table = [median_round(runs) for runs in rows.values()]
-    print_table(table, args, kernels_isa(device))
-    if args.plot:
+    if table:  # else the failures above are all there is to say
+        print_table(table, args, kernels_isa(device))
+    if args.plot and table:
         plot_scaling(table, args.plot, args)
         print(f"wrote {args.plot}")
-    return 0
+    return 1 if failed else 0  # a script sees that a figure is missing
 
 
 def config_problem(models: list[str], overrides: list[str]) -> Optional[str]:

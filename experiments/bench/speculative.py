@@ -213,6 +213,8 @@ def main(argv=None) -> int:
         engine = choose_engine(args.engine, device, args.temperature)
     except ValueError as e:
         parser.error(f"--{e}")
+    if not args.models and not args.run:
+        parser.error("--models with none named measures nothing: name ours and/or ref, or give --run")
     if args.run and not args.one:
         from experiments.runtime import checkpoint
         from experiments.runtime.errors import UserError

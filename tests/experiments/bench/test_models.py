@@ -83,3 +83,16 @@ def test_model_table_x_dense_is_tokens_per_s_over_the_transformers(capsys):
     print_table(rows, args)
     nsa = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("nsa")).split()
     assert nsa[5] == "2.50"
+
+
+def test_a_failed_measurement_fails_the_command_after_the_others(monkeypatch, capsys):
+    from experiments.bench import measure
+
+    def measure_in_child(module, args):
+        raise RuntimeError(f"No module named 'x' ({args[1]})")
+
+    monkeypatch.setattr(measure, "measure_in_child", measure_in_child)
+    assert benchmark.main(["--models", "transformer", "nsa", "--seq", "64", "--repeat", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "transformer        64 failed: No module named 'x' (transformer)" in out and "(nsa)" in out
+    assert "tokens/s" not in out  # no empty table
