@@ -58,6 +58,16 @@ def main(cfg: DictConfig) -> float | None:
     return run.result
 
 
+def claimed_output_dir(overrides: list[str]) -> list[str]:
+    """launch.claim_output_dir, its refusal as one line."""
+    from experiments.runtime.launch import claim_output_dir
+
+    try:
+        return claim_output_dir(overrides)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+
+
 if __name__ == "__main__":
     import time
     from pathlib import Path
@@ -66,8 +76,8 @@ if __name__ == "__main__":
                                           runs_jobs_in_parallel, searches_with_optuna, sweep_error,
                                           sweep_hydra_config)
     from experiments.config.resolvers import export_swept_keys
-    from experiments.runtime.launch import (as_launched, claim_output_dir, end_optuna_sweep_without_a_best,
-                                            output_dir_error, prepare_argv, stop_workers_with_this_process)
+    from experiments.runtime.launch import (as_launched, end_optuna_sweep_without_a_best, output_dir_error,
+                                            prepare_argv, stop_workers_with_this_process)
     from experiments.runtime.run import sweep_failures
 
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]  # a launcher's --local_rank, before Hydra parses argv
@@ -79,14 +89,14 @@ if __name__ == "__main__":
         overrides = as_launched(overrides)  # `train.py hydra.run.dir=X` resumes X with X's overrides
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
-        sys.argv = [sys.argv[0], *claim_output_dir(overrides)]  # its own directory, one for every rank
+        sys.argv = [sys.argv[0], *claimed_output_dir(overrides)]  # its own directory, one for every rank
     # a sweep: every job's config (its launcher's options too) composed and checked, before any job starts
     elif {"-m", "--multirun"} & set(overrides) and all(a in ("-m", "--multirun") or not a.startswith("-")
                                                        for a in overrides):
         jobs = [a for a in overrides if not a.startswith("-")]
         if error := sweep_error(conf, jobs) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
-        sys.argv = [sys.argv[0], *claim_output_dir(overrides)]
+        sys.argv = [sys.argv[0], *claimed_output_dir(overrides)]
         sweep_dir = [a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.sweep.dir=")][-1]  # Hydra's: the last
         sweep_hydra = sweep_hydra_config(conf, jobs)
         if runs_jobs_in_parallel(sweep_hydra):

@@ -506,6 +506,17 @@ def test_a_run_or_sweep_directory_that_is_a_file(tmp_path):
                                     "a file, not a directory: choose another hydra.sweep.dir"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_a_directory_the_system_will_not_make_is_one_line(sweep):
+    """/proc passes the permission check (root may write anywhere) and refuses the mkdir."""
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    result = train_py(*(["-m", "trainer.seed=0,1"] if sweep else []), f"{key}=/proc/no_run_here")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (f"error: {key}=/proc/no_run_here cannot be made (No such file or directory): "
+                                     f"choose a {key} where you can write")
+
+
 # ---- interruptions: exit status and leftovers -----------------------------------------------------
 
 

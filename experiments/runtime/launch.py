@@ -124,11 +124,19 @@ def claim_output_dir(argv: list[str]) -> list[str]:
     """argv naming a run (or, with -m, a sweep) directory that no other launch has. The timestamped
     default is made here with mkdir, which only one of two launches in the same second gets (the
     other takes <time>-1, then -2, ...): two array tasks or two shells never train into one
-    directory. Every rank gets rank 0's. A directory named on the command line is kept: naming one
-    again resumes it. Called once the config is checked, so that a refused launch makes none."""
+    directory. Every rank gets rank 0's. A directory named on the command line is kept (made here
+    where it is not yet): naming one again resumes it. Called once the config is checked, so that a
+    refused launch makes none. Raises ValueError (one line) where the directory cannot be made: a
+    system's own folder (/proc) that os.access calls writable, say."""
     multirun = any(a in ("-m", "--multirun") for a in argv)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith(key + "=")), None)
+    if run_dir is not None and rank() == 0:
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{key}={run_dir} cannot be made ({e.strerror}): choose a {key} where you can "
+                             "write") from None
     if run_dir is None:
         shared = _PREFIX + "run_dir/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if rank() == 0:
