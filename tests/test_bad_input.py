@@ -294,6 +294,9 @@ FLAG_CASES = [
     ("experiments.generate.speculative", ["RUN", "--engine", "static", "--temperature", "0.8"],
      "--engine=static decodes greedily: set temperature 0, or engine cache to sample"),
     ("experiments.generate.text_to_image", ["RUN", "--prompt", "x", "--num-images", "0"], "--num-images=0 must be at least 1"),
+    ("experiments.generate.text_to_image", ["RUN", "--prompt", " "], "--prompt is empty: give the caption to draw"),
+    ("experiments.generate.text_to_image", ["RUN", "--prompt", "x", "--out", "grid.jpg"],
+     "--out grid.jpg: the grid is written as a PNG: name a .png file"),
     ("experiments.generate.text_to_image", ["RUN", "--prompt", "x", "--filter-thres", "1.5"], "--filter-thres=1.5 must lie in [0, 1)"),
 ]
 
@@ -306,6 +309,18 @@ def test_tool_flags_are_refused_before_loading(tmp_path, module, argv, message):
     with redirect_stderr(err):
         status = importlib.import_module(module).main([str(tmp_path / "no-run") if a == "RUN" else a for a in argv])
     assert status == 2 and message in err.getvalue() and err.getvalue().count("\n") == 1
+
+
+@pytest.mark.parametrize("module", ["experiments.generate.speculative", "experiments.generate.text_to_image"])
+def test_a_generator_given_a_file_that_is_no_checkpoint_says_what_to_point_it_at(tmp_path, module):
+    import importlib
+
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    err = io.StringIO()
+    with redirect_stderr(err):
+        status = importlib.import_module(module).main([str(tmp_path / "notes.pt"), "--prompt", "x"])
+    assert status == 1 and err.getvalue().count("\n") == 1
+    assert "not a checkpoint: point run at a run directory" in err.getvalue() and "trainer.resume" not in err.getvalue()
 
 
 BENCHMARK_CASES = [

@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
                             "--cond-scale": ("cond_scale", args.cond_scale)}):
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if not args.prompt.strip():
+        print("error: --prompt is empty: give the caption to draw", file=sys.stderr)
+        return 2
+    if args.out is not None and args.out.suffix.lower() != ".png":
+        print(f"error: --out {args.out}: the grid is written as a PNG: name a .png file", file=sys.stderr)
+        return 2
     try:
         dalle, vae, tokenizer = load_run(args.run)
         if (tokens := len(tokenizer.encode(args.prompt))) > dalle.text_seq_len and not args.truncate:
@@ -63,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         save_grid(out, images, [args.prompt] * args.num_images)
     except OSError as e:
-        print(f"error: --out {out}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: --out {out}: {e.strerror or e}: name a .png file in a folder you can write", file=sys.stderr)
         return 1
     scores = score(images, [args.prompt] * args.num_images)
     print(f"wrote {out}" + "".join(f"  {k} {v:.2f}" for k, v in scores.items()))

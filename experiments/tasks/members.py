@@ -21,7 +21,7 @@ def load_members(spec, prefixes: tuple[str, ...] = ("",), *, key: str = "run",
     """The members of the run directory or checkpoint `spec` (named by the config key `key` in
     messages), in eval mode on `device` -> ({prefix: model}, the checkpoint's state)."""
     path = checkpoint.resolve(spec, key=key)
-    state = checkpoint.load(path, map_location=device)
+    state = checkpoint.load(path, map_location=device, key=key)
     return {prefix: build_member(state, prefix, path, key).to(device).eval() for prefix in prefixes}, state
 
 
