@@ -70,6 +70,7 @@ def claimed_output_dir(overrides: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     import time
+    from contextlib import nullcontext
     from pathlib import Path
 
     from experiments.config.checks import (composition_error, failures_tolerated, runs_jobs_elsewhere,
@@ -78,7 +79,7 @@ if __name__ == "__main__":
     from experiments.config.resolvers import export_swept_keys
     from experiments.runtime.launch import (as_launched, end_optuna_sweep_without_a_best, output_dir_error,
                                             prepare_argv, stop_workers_with_this_process)
-    from experiments.runtime.run import sweep_failures
+    from experiments.runtime.run import sweep_failures, sweep_record_kept_if_no_job_runs
 
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]  # a launcher's --local_rank, before Hydra parses argv
     overrides = sys.argv[1:]
@@ -105,7 +106,8 @@ if __name__ == "__main__":
             end_optuna_sweep_without_a_best()
         tolerated, elsewhere = failures_tolerated(sweep_hydra), runs_jobs_elsewhere(sweep_hydra)
     started = time.time()
-    main()
+    with sweep_record_kept_if_no_job_runs(Path(sweep_dir), elsewhere) if sweep_dir else nullcontext():
+        main()
     # a sweep goes on past a failed job, then says so in its exit status (a script, a SLURM dependency)
     if sweep_dir and len(failed := sweep_failures(Path(sweep_dir), started, elsewhere)) > tolerated:
         sys.exit(f"error: {len(failed)} job(s) of the sweep failed: {', '.join(failed)}; each one's summary.json "

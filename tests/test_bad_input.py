@@ -196,10 +196,13 @@ def test_a_refused_sweep_job_names_the_sweeps_directory_setting(tmp_path):
     """A sweep's job lives where hydra.sweep.dir says: a new hydra.run.dir would change nothing."""
     sweep = ["-m", f"hydra.sweep.dir={tmp_path}", *TINY_LM, "trainer.max_steps=2", "trainer.seed=0"]
     assert train_py(*sweep).returncode == 0
+    record = (tmp_path / "multirun.yaml").read_bytes()
     result = train_py(*sweep, "trainer.batch_size=3")
     assert "so this run cannot continue it: use a new hydra.sweep.dir, or pass the same overrides" in result.stderr
     # the refused job left its directory as it was, summary too: the sweep's exit status still says so
     assert result.returncode == 1 and "error: 1 job(s) of the sweep failed: " in result.stderr.splitlines()[-1]
+    # and the sweep's own record (Hydra rewrites it at every launch) names the config that trained
+    assert (tmp_path / "multirun.yaml").read_bytes() == record
 
 
 # ---- files the project reads -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ the config fits, the checkpoint loads). A session refused or failing before that
 of the earlier run as it was (train.log, which Hydra appends to, grows by the refusal).
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from typing import Any, Optional
 
 from experiments.runtime import launch
 from experiments.runtime.errors import TrainingError, UserError, storage_problem
-from experiments.runtime.files import atomic_write_json, atomic_write_text
+from experiments.runtime.files import atomic_write, atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ METRICS, SUMMARY, CHECKPOINTS, SAMPLES, HYDRA = "metrics.jsonl", "summary.json",
 OVERRIDES = f"{HYDRA}/overrides.yaml"
 
 _failed_here: list[tuple[float, str]] = []  # this process's sweep jobs that failed or were refused: (when, name)
+_accepted_here: list[float] = []  # when this process's runs were taken on by the loop
 
 
 class Run:
@@ -139,6 +141,7 @@ class Run:
         """The loop takes this session on, from step `start` (0: a fresh start). Clears what a killed
         earlier session left: metrics rows past `start`, temporary files of interrupted writes."""
         self.accepted = True
+        _accepted_here.append(time.time())
         if not self.is_main:
             return
         self._keep_hydra_files()  # this session's config is the run's now: kept aside from Hydra's rewrites
@@ -316,3 +319,19 @@ def sweep_failures(sweep_dir: Path, since: float, elsewhere: bool = True) -> lis
         except (OSError, ValueError):  # a summary being replaced, or not a run's
             continue
     return list(dict.fromkeys(failed))
+
+
+@contextlib.contextmanager
+def sweep_record_kept_if_no_job_runs(sweep_dir: Path, elsewhere: bool):
+    """Around a sweep's launch into a directory that holds one: where no job of the launch was taken
+    on (each refused, as another config, or failed before its first step), the sweep's multirun.yaml,
+    which Hydra rewrites at every launch, is put back as it was, as a refused run's .hydra/ is. Not
+    where the jobs run `elsewhere` (joblib's workers, SLURM), which this process cannot see."""
+    record = Path(sweep_dir) / "multirun.yaml"
+    before = record.read_bytes() if not elsewhere and record.is_file() else None
+    started = time.time()
+    try:
+        yield
+    finally:
+        if before is not None and not any(when >= started for when in _accepted_here):
+            atomic_write(record, lambda f: f.write(before))
