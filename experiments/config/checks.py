@@ -169,21 +169,34 @@ def check_config(cfg: DictConfig) -> None:
 
 def models_error(cfg: DictConfig) -> Optional[str]:
     """What a model's constructor refuses of its knobs (NSA: heads % kv_heads, compress_stride <=
-    compress_block_size, ...), as one line: the model, draft and VAE built on PyTorch's meta device
-    (no memory, no weights, ~10 ms each); None when each builds or fails otherwise (a run says why)."""
+    compress_block_size, ...), or the task of the models and the data's kind, as one line: the model,
+    draft and VAE built on PyTorch's meta device (no memory, no weights, ~10 ms each), then handed to
+    the task's check_parts; None when each passes or fails otherwise (a run says why)."""
     import torch
+    from hydra.utils import get_class
 
+    from experiments.config.schema import SCHEMAS
     from experiments.runtime.build import build
 
-    for slot in ("model", "draft", "vae"):
+    nets = {}
+    for slot, prefix in (("model", ""), ("draft", "draft_"), ("vae", "vae_")):
         if cfg.get(slot) is not None:
             try:
                 with torch.device("meta"):
-                    build(cfg[slot], slot)
+                    nets[prefix] = build(cfg[slot], slot)
             except UserError as e:
                 return str(e)
             except Exception:  # not a knob's fault (a constructor that needs real memory): the run will say
-                continue
+                return None
+    target = cfg.data._target_
+    data_name = next((name for name, schema in SCHEMAS["data"].items() if schema._target_ == target), target)
+    try:
+        kind = get_class(target).kind  # a data class of one's own without a kind: its run checks it
+        build(cfg.task, "task").check_parts(nets, kind, data_name)
+    except UserError as e:
+        return str(e)
+    except Exception:  # not the parts' fault (a class that does not import here): the run will say
+        return None
     return None
 
 

@@ -47,6 +47,8 @@ class _Item:
 
 
 class ImageTextFolder:
+    kind = "images"  # what a task trains on (experiments/tasks/task.py check_parts)
+
     def __init__(self, path: str, image_size: int = 64, text_seq_len: int = 64, resize_ratio: float = 0.75,
                  truncate_captions: bool = False, val_fraction: float = 0.05, channels: int = 3,
                  tokenizer: str = "bytes"):

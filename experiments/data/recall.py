@@ -39,6 +39,7 @@ Batch = tuple[Tensor, Tensor, Tensor]
 class RecallData:
     """What the recall task reads; subclasses draw `(tokens [b, seq_len + 1], answer mask, depth)`."""
 
+    kind = "recall"  # what a task trains on (experiments/tasks/task.py check_parts)
     seq_len: int
     name: str
     vocab_size: int

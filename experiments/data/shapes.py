@@ -104,6 +104,7 @@ class Shapes:
     """Generated captioned images: train_batch / val_batches give (text [batch, text_seq_len],
     images [batch, 3, image_size, image_size] in [0, 1])."""
 
+    kind = "images"  # what a task trains on (experiments/tasks/task.py check_parts)
     channels = 3
 
     def __init__(self, image_size: int = 32, text_seq_len: int = 16):

@@ -26,6 +26,7 @@ from experiments.runtime.errors import UserError
 class ByteData:
     """Train/validation byte arrays with crop sampling. Subclasses only load the bytes."""
 
+    kind = "text"  # what a task trains on (experiments/tasks/task.py check_parts)
     vocab_size = 256  # a token is a byte
 
     def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, name: str):

@@ -49,11 +49,17 @@ class TextToImageTask(Task):
         super().attach(ctx)
         self.vae_stage.attach(ctx)
 
+    def check_parts(self, nets, data_kind, data_name):
+        if not isinstance(nets.get(""), partial):
+            raise UserError("task=dalle needs model=dalle (a DALL-E over the VAE's codes): use experiment=dalle")
+        if data_kind != "images":
+            raise UserError(f"task=dalle trains on captioned images, and data={data_name} is not: use data=shapes "
+                            "or data=image_folder (experiment=dalle)")
+
     def setup(self, nets):
         ctx = self.ctx
-        make_dalle = nets.get("")
-        if not isinstance(make_dalle, partial):
-            raise UserError("task=dalle needs model=dalle (a DALL-E over the VAE's codes): use experiment=dalle")
+        self.check_run_parts(nets)
+        make_dalle = nets[""]
         if self.vae_path is not None:
             vae, self.vae_config = load_vae(self.vae_path)
             log.info("VAE from %s (the `vae` section is not used); no VAE stage", self.vae_path)

@@ -63,9 +63,15 @@ class DiscreteVAETask(Task):
         self.num_samples = num_samples
         self.prefix = prefix
 
-    def setup(self, nets):
+    def check_parts(self, nets, data_kind, data_name):
         if not isinstance(nets[""], DiscreteVAE):
             raise UserError("task=dvae trains a discrete VAE: use model=dvae (experiment=dvae)")
+        if data_kind != "images":
+            raise UserError(f"task=dvae trains on images, and data={data_name} is not: use data=shapes or "
+                            "data=image_folder (experiment=dvae)")
+
+    def setup(self, nets):
+        self.check_run_parts(nets)
         check_images(self.ctx.data, nets[""], "model")
         return nets
 

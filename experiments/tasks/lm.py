@@ -32,17 +32,20 @@ class LanguageModelTask(Task):
         self.temperature = temperature
         self.top_k = top_k
 
-    def setup(self, nets):
+    def check_parts(self, nets, data_kind, data_name):
         for prefix, net in nets.items():
             if not isinstance(net, TransformerLM):
-                raise UserError(f"task={self.name} trains language models, and the {prefix or 'model'} config "
-                                "builds something else: use experiment=dvae or experiment=dalle for image models")
-        data = self.ctx.data
-        if hasattr(data, "per_sequence") or not hasattr(data, "vocab_size"):  # recall data, or images
-            chosen = self.ctx.run.choices.get("data", type(data).__name__)
-            raise UserError(f"task={self.name} trains on text (data=text, stdlib or enwik8), and data={chosen} "
+                raise UserError(f"task={self.name} trains language models, and the {prefix.rstrip('_') or 'model'} "
+                                "config builds something else: use experiment=dvae or experiment=dalle for image "
+                                "models")
+        if data_kind != "text":
+            raise UserError(f"task={self.name} trains on text (data=text, stdlib or enwik8), and data={data_name} "
                             "is not: use experiment=mqar or passkey for recall data, experiment=dvae or dalle "
                             "for images")
+
+    def setup(self, nets):
+        self.check_run_parts(nets)
+        data = self.ctx.data
         for prefix, net in nets.items():
             # fewer tokens: an index error at the first step; more: samples of bytes no decoder reads
             if net.num_tokens != (vocab := data.vocab_size):

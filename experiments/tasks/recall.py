@@ -34,13 +34,17 @@ class RecallTask(Task):
         self.num_samples = num_samples
         self.context_weight = context_weight
 
+    def check_parts(self, nets, data_kind, data_name):
+        if data_kind != "recall":
+            raise UserError(f"task=recall reads recall data, and data={data_name} is not: use data=mqar or "
+                            "data=passkey (experiment=mqar, passkey)")
+        if not all(isinstance(net, TransformerLM) for net in nets.values()):
+            raise UserError("task=recall trains language models: use model=transformer, nsa, sinkhorn or routing")
+
     def setup(self, nets):
+        self.check_run_parts(nets)
         data = self.ctx.data
-        if not hasattr(data, "per_sequence"):
-            raise UserError("task=recall reads recall data: use data=mqar or data=passkey (experiment=mqar, passkey)")
         for prefix, net in nets.items():
-            if not isinstance(net, TransformerLM):
-                raise UserError("task=recall trains language models: use model=transformer, nsa, sinkhorn or routing")
             if net.num_tokens < data.vocab_size:
                 raise UserError(f"model.num_tokens={net.num_tokens} is smaller than the data's vocabulary "
                                 f"({data.vocab_size}): set model.num_tokens={data.vocab_size}")

@@ -123,10 +123,13 @@ class SpeculativeTask(LanguageModelTask):
         kl = distillation_kl(logits, target_logits, targets != IGNORE)
         return loss + self.distill_weight * kl, {"distill_kl": kl.item()}
 
-    def setup(self, nets):
+    def check_parts(self, nets, data_kind, data_name):
         if "draft_" not in nets:
             raise UserError("task=speculative needs a draft model: add `- /model@draft: transformer` to the "
                             "defaults (as conf/experiment/speculative.yaml does) or use experiment=speculative")
+        super().check_parts(nets, data_kind, data_name)
+
+    def setup(self, nets):
         try:
             self.engine = choose_engine(self.engine, self.ctx.backend.device, self.temperature)
         except ValueError as e:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from experiments.runtime.backends import Trainee
+from experiments.runtime.errors import UserError
 from experiments.runtime.throughput import training_flops_per_token
 
 
@@ -66,8 +67,23 @@ class Task:
     def attach(self, ctx: Context) -> None:
         self.ctx = ctx
 
+    def check_parts(self, nets: dict, data_kind: str, data_name: str) -> None:
+        """Refuse, in one line, models this task cannot train (nets: {prefix: model}, built, or on the
+        meta device) and data of a kind it does not read (data_kind: the data class's `kind`, text,
+        recall or images; data_name: its data= option). The run's setup calls it, and train.py's
+        pre-check (experiments/config/checks.py) before any directory is made."""
+
     def setup(self, nets: dict[str, nn.Module]) -> dict[str, nn.Module]:
         return nets
+
+    def check_run_parts(self, nets: dict) -> None:
+        """check_parts on the run's own data."""
+        data = self.ctx.data
+        name = self.ctx.run.choices.get("data", type(data).__name__)
+        if not hasattr(data, "kind"):
+            raise UserError(f"data={name}: its class {type(data).__name__} declares no `kind` (text, recall or "
+                            "images, what a task checks it trains on): add one")
+        self.check_parts(nets, data.kind, name)
 
     def micro_batch(self, step: int, micro: int):
         raise NotImplementedError

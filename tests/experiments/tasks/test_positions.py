@@ -62,6 +62,8 @@ class FarCopies:
                         sees only the last two tokens knows one or two of them (4.7 bits at best)
     """
 
+    kind = "text"  # what the language-model task trains on
+
     CONTENT, SUBSET, FILLER = 64, 4, 16
     vocab_size = CONTENT + FILLER
 

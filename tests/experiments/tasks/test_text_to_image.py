@@ -7,7 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers.runs import TINY_DALLE, TINY_DVAE, kill_after_first_checkpoint, read_metrics, read_summary, train
+from tests.helpers.runs import (ROOT, TINY_DALLE, TINY_DVAE, kill_after_first_checkpoint, read_metrics, read_summary,
+                                train)
 from experiments.runtime import checkpoint
 
 
@@ -119,25 +120,28 @@ def test_dalle_with_deepspeed(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 6
 
 
-def test_tasks_refuse_models_they_cannot_train(tmp_path, compose):
-    """Each task's setup refuses the model it cannot train (in process, as train.py builds them); one of
-    them as train.py runs it: one line, no traceback."""
-    from experiments.runtime.build import build
-    from experiments.runtime.errors import UserError
+def test_tasks_refuse_models_and_data_they_cannot_train(tmp_path, compose):
+    """Each task's check_parts refuses the model and the data it cannot train (the models on the meta
+    device, as train.py's pre-check builds them); one of them as train.py runs it: one line, no
+    traceback, and no run directory."""
+    from experiments.config.checks import composition_error, models_error
 
     cases = ((["model=dvae"], "task=lm trains language models"),
              (["task=dvae", "data=shapes"], "task=dvae trains a discrete VAE"),
-             (["task=dalle", "data=shapes"], "task=dalle needs model=dalle"))
+             (["task=dalle", "data=shapes"], "task=dalle needs model=dalle"),
+             (["task=recall", "model=transformer"], "task=recall reads recall data, and data=text is not"),
+             (["task=speculative"], "task=speculative needs a draft model"))
     for overrides, message in cases:
-        cfg = compose(*overrides)
-        task = build(cfg.task, "task")
-        task.ctx = None  # the run's context (data, device), which setup reads only after these checks
-        with pytest.raises(UserError, match=message):
-            task.setup({"": build(cfg.model, "model")})
+        assert message in models_error(compose(*overrides)), overrides
+    # image models on text: their config reads data.image_size, which composing already refuses
+    assert "an image model reads data.image_size" in composition_error(str(ROOT / "conf"), ["experiment=dvae",
+                                                                                          "data=text"])
+    for preset in ("dvae", "dalle", "mqar", "passkey", "speculative"):
+        assert models_error(compose(f"experiment={preset}")) is None
     quick = ["tracker=none", "trainer.progress=false", "trainer.max_steps=1"]
     result = train(tmp_path / "run", "model=dvae", base=quick, check=False)
     assert result.returncode != 0 and "task=lm trains language models" in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
 @pytest.mark.gpu
