@@ -188,7 +188,8 @@ def test_a_bad_sweep_is_refused_before_its_directory_exists(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         "error: the sweep's job model.depth=two: Error merging override model.depth=two; Value 'two' of type 'str' "
-        "could not be converted to Integer (python train.py --help lists every group, option and key)"]
+        "could not be converted to Integer (python train.py --help lists every group and option, and the keys of "
+        "those chosen)"]
     assert not (tmp_path / "sweep").exists()
 
 

@@ -415,7 +415,7 @@ def _one_line(e: Exception) -> str:
         lines.append(hint)
     lines = [line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type="))]
     return " ".join(line if line.endswith((":", ".")) else line + ";" for line in lines).rstrip(";") + \
-        " (python train.py --help lists every group, option and key)"
+        " (python train.py --help lists every group and option, and the keys of those chosen)"
 
 
 def flag_error(flags: dict[str, tuple[str, Any]]) -> Optional[str]:
