@@ -63,8 +63,8 @@ def timed_reference(run_dir: Path, overrides: list[str]) -> tuple[float, float]:
             first_row = time.perf_counter() - t0
         time.sleep(0.01)
     if proc.returncode != 0:
-        sys.exit(f"error: the uninterrupted reference run failed ({proc.returncode}): "
-                 f"{proc.stderr.read().strip().splitlines()[-1:]}")
+        last = (proc.stderr.read().strip().splitlines() or ["(no output)"])[-1].removeprefix("error: ")
+        sys.exit(f"error: the uninterrupted reference run failed ({proc.returncode}): {last}")
     wall = time.perf_counter() - t0
     return first_row or wall, wall
 
