@@ -10,7 +10,8 @@ and interrupted runs with the first line of their error, runs still going with t
 figures. Runs on different data (their data_fingerprint) are ranked separately, never together.
 Language models also show where in the sequence they lose: the final val_bpc of the last bucket of
 positions beside val_bpc, every bucket in a table of their own and in bpc_by_position.png.
-review.md and the PNG plots are written beside the reviewed directory (or into --out).
+review.md and the PNG plots are written into the first directory reviewed (a sweep's, a run's: beside
+its files), or into --out.
 """
 
 import argparse
@@ -338,7 +339,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="validation metric to rank by (val_bpc, val_loss, val_accuracy; recall runs: val_accuracy)")
     parser.add_argument("--sort", default="best", choices=COLUMNS, help="column to sort by (default: best metric)")
     parser.add_argument("--format", default="table", choices=["table", "markdown", "csv", "json"])
-    parser.add_argument("--out", type=Path, help="where review.md and the plots go (default: beside the first path)")
+    parser.add_argument("--out", type=Path, help="where review.md and the plots go (default: into the first directory named)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
 
