@@ -424,6 +424,9 @@ REFUSALS = [
     ("another batch and seed", None, ["trainer.batch_size=4", "trainer.seed=1"],
      "trainer.batch_size, trainer.seed differ"),
     ("another precision", None, ["trainer.precision=bf16"], "trainer.precision differ"),
+    # the schedule reads its length from max_steps (cosine's default): the key typed is named beside it
+    ("more steps on a schedule of their length", None, ["trainer.max_steps=4"],
+     "(schedule.total_steps (from trainer.max_steps) differ)"),
     ("another model after a resume with other settings", _resumed_with_other_settings, ["model.depth=2"],
      "model.depth differ"),
     ("resume never", None, ["trainer.resume=never"], "trainer.resume=never would overwrite"),

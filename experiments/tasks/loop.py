@@ -312,7 +312,8 @@ class Loop:
              if _comparable(saved.get("trainer"), key) != _comparable(current.get("trainer"), key)]
         if differ and self._continues(path):
             raise UserError(
-                f"{path} was trained with a different config ({', '.join(differ)} differ), so this run "
+                f"{path} was trained with a different config ({', '.join(_source(self.cfg, k) for k in differ)} "
+                "differ), so this run "
                 f"cannot continue it: use a new {self.run.dir_setting}, or pass the same overrides as before"
             )
         trained_on = state.get("data_fingerprint")
@@ -359,6 +360,17 @@ def _rounded(value):
     if positions.is_figure(value):
         return {"edges": value["edges"], "values": [round(v, 5) for v in value["values"]]}
     return round(value, 5)
+
+
+def _source(cfg, dotted: str) -> str:
+    """`section.key`, and the setting it takes its value from where it is one's interpolation
+    (`schedule.total_steps (from trainer.max_steps)`): the key the user typed."""
+    section, key = dotted.split(".", 1)
+    node = cfg.get(section)
+    raw = node._get_node(key)._value() if node is not None and key in node else None
+    if isinstance(raw, str) and raw.startswith("${") and raw.endswith("}") and ":" not in raw:
+        return f"{dotted} (from {raw[2:-1]})"
+    return dotted
 
 
 def _comparable(section, key: str):
