@@ -77,15 +77,16 @@ if __name__ == "__main__":
                                           runs_jobs_in_parallel, searches_with_optuna, sweep_error,
                                           sweep_hydra_config)
     from experiments.config.resolvers import export_swept_keys
-    from experiments.runtime.launch import (as_launched, end_optuna_sweep_without_a_best, output_dir_error,
-                                            prepare_argv, stop_workers_with_this_process)
+    from experiments.runtime.launch import (as_launched, end_optuna_sweep_without_a_best,
+                                            no_directory_left_by_a_refusal, output_dir_error, prepare_argv,
+                                            stop_workers_with_this_process)
     from experiments.runtime.run import sweep_failures, sweep_record_kept_if_no_job_runs
 
     sys.argv = [sys.argv[0], *prepare_argv(sys.argv[1:])]  # a launcher's --local_rank, before Hydra parses argv
     overrides = sys.argv[1:]
     export_swept_keys(overrides)  # a sweep job's directory names what is swept, wherever it runs
     conf = str(Path(__file__).resolve().parent / "conf")
-    sweep_dir, tolerated, elsewhere = None, 0.0, False
+    sweep_dir, existed, tolerated, elsewhere = None, False, 0.0, False
     if not any(a.startswith("-") for a in overrides):  # a single run: Hydra's complaints as one line, first
         overrides = as_launched(overrides)  # `train.py hydra.run.dir=X` resumes X with X's overrides
         if error := composition_error(conf, overrides) or output_dir_error(overrides):
@@ -97,6 +98,8 @@ if __name__ == "__main__":
         jobs = [a for a in overrides if not a.startswith("-")]
         if error := sweep_error(conf, jobs) or output_dir_error(overrides):
             sys.exit(f"error: {error}")
+        named = [a.split("=", 1)[1] for a in overrides if a.startswith("hydra.sweep.dir=")]
+        existed = bool(named) and Path(named[-1]).is_dir()
         sys.argv = [sys.argv[0], *claimed_output_dir(overrides)]
         sweep_dir = [a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.sweep.dir=")][-1]  # Hydra's: the last
         sweep_hydra = sweep_hydra_config(conf, jobs)
@@ -106,7 +109,8 @@ if __name__ == "__main__":
             end_optuna_sweep_without_a_best()
         tolerated, elsewhere = failures_tolerated(sweep_hydra), runs_jobs_elsewhere(sweep_hydra)
     started = time.time()
-    with sweep_record_kept_if_no_job_runs(Path(sweep_dir), elsewhere) if sweep_dir else nullcontext():
+    with (no_directory_left_by_a_refusal(sweep_dir, existed) if sweep_dir else nullcontext(),
+          sweep_record_kept_if_no_job_runs(Path(sweep_dir), elsewhere) if sweep_dir else nullcontext()):
         main()
     # a sweep goes on past a failed job, then says so in its exit status (a script, a SLURM dependency)
     if sweep_dir and len(failed := sweep_failures(Path(sweep_dir), started, elsewhere)) > tolerated:

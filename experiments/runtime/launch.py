@@ -26,6 +26,7 @@ Only the standard library is imported at module level: `train.py --help` stays f
 import os
 import sys
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Optional
 
@@ -124,19 +125,15 @@ def claim_output_dir(argv: list[str]) -> list[str]:
     """argv naming a run (or, with -m, a sweep) directory that no other launch has. The timestamped
     default is made here with mkdir, which only one of two launches in the same second gets (the
     other takes <time>-1, then -2, ...): two array tasks or two shells never train into one
-    directory. Every rank gets rank 0's. A directory named on the command line is kept (made here
-    where it is not yet): naming one again resumes it. Called once the config is checked, so that a
-    refused launch makes none. Raises ValueError (one line) where the directory cannot be made: a
-    system's own folder (/proc) that os.access calls writable, say."""
+    directory. Every rank gets rank 0's. A directory named on the command line is kept: naming one
+    again resumes it. Called once the config is checked, so that a refused launch makes none. Raises
+    ValueError (one line) where the named directory cannot be made: a system's own folder (/proc)
+    that os.access calls writable, say."""
     multirun = any(a in ("-m", "--multirun") for a in argv)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith(key + "=")), None)
     if run_dir is not None and rank() == 0:
-        try:
-            os.makedirs(run_dir, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"{key}={run_dir} cannot be made ({e.strerror}): choose a {key} where you can "
-                             "write") from None
+        _check_makeable(run_dir, key)
     if run_dir is None:
         shared = _PREFIX + "run_dir/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if rank() == 0:
@@ -204,6 +201,41 @@ def _children() -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def _check_makeable(path: str, key: str) -> None:
+    """Raise ValueError (one line) where `path` cannot be made; leave the file system as it was (what
+    this check makes it removes: a sweep the SLURM preflight refuses later leaves no directory)."""
+    missing, up = [], os.path.abspath(path)
+    while not os.path.exists(up):
+        missing.append(up)  # deepest first
+        up = os.path.dirname(up)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{key}={path} cannot be made ({e.strerror}): choose a {key} where you can write") from None
+    finally:
+        for made in missing:
+            try:
+                os.rmdir(made)
+            except OSError:  # not made, or not empty: another process's by now
+                pass
+
+
+@contextmanager
+def no_directory_left_by_a_refusal(path: str, existed: bool):
+    """Around a sweep's launch into `path`: a refusal before any job (SystemExit: the SLURM preflight, a
+    Hydra callback that runs once the directory is claimed) leaves no directory that was not there
+    before (the timestamped one claim_output_dir made), where nothing was written into it."""
+    try:
+        yield
+    except SystemExit:
+        if not existed:
+            try:
+                os.rmdir(path)
+            except OSError:  # gone, or written to: a job ran
+                pass
+        raise
 
 
 def _make_fresh_dir(path: str) -> str:

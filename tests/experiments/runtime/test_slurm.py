@@ -120,6 +120,18 @@ def test_a_slurm_sweep_without_sbatch_is_one_line(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
+def test_a_refused_slurm_sweep_leaves_no_timestamped_directory(tmp_path):
+    """The default sweep directory is claimed (made) before Hydra's SLURM preflight refuses the sweep:
+    the refusal removes it again, as a refused launch makes none."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=slurm", *LM,
+                             "trainer.max_steps=1"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**run_env(), "PATH": str(bare)})
+    assert "not installed" in refused(result)
+    assert list(tmp_path.glob("outputs/multirun/*/*")) == []
+
+
 def test_a_job_on_a_node_names_its_directory_by_what_train_py_swept(monkeypatch):
     """A submitit job's sys.argv is submitit's (`-m submitit.core._submit <folder>`): the swept keys
     come from what the submitting train.py exported, not from every override of the job."""
