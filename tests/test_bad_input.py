@@ -139,6 +139,20 @@ def test_a_single_run_that_breaks_a_rule_makes_no_directory(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["experiment=passkey", "data.seq_len=40"], "error: data.seq_len=40 leaves no room for filler around the "
+     "60-byte needle and the 44-byte question: raise data.seq_len to 120 or more"),
+    (["experiment=mqar", "data.vocab_size=8"], "error: data.vocab_size=8 has 3 key ids (the lower half but 0), "
+     "fewer than data.num_kv_pairs=4 distinct keys: raise data.vocab_size to 10 or more"),
+], ids=["passkey-room", "mqar-keys"])
+def test_data_settings_that_draw_no_item_make_no_directory(tmp_path, overrides, message):
+    """The data class's own rules (check_settings) run in the pre-check: they failed in the run's
+    setup, after its directory was made."""
+    result = train_py(f"hydra.run.dir={tmp_path / 'run'}", *overrides)
+    assert result.returncode == 1 and result.stderr.strip() == message
+    assert not (tmp_path / "run").exists()
+
+
 SWEEP_CASES = [
     (["model=transformer,nsa", "model.num_fine_selected=2"],
      "the sweep's job model=transformer: Could not override 'model.num_fine_selected'"),
@@ -155,6 +169,8 @@ SWEEP_CASES = [
      "the sweep's job model.heads=3: model: heads=3 must be a multiple of kv_heads=2 (GQA groups)"),
     (["experiment=dalle", "data.image_size=32,34"],  # the VAE's constructor too
      "the sweep's job data.image_size=34: vae: image_size=34 must be divisible by 2**num_layers=4"),
+    (["experiment=mqar", "data.num_kv_pairs=4,20"],  # a rule of the data's settings alone (its check_settings)
+     "the sweep's job data.num_kv_pairs=20: data.num_kv_pairs=20 pairs and their 20 queries take 80 tokens"),
     (["data.seq_len=64,128"],  # a rule across sections
      "the sweep's job data.seq_len=64: task.prime_length=64 must be shorter than data.seq_len=64"),
     # the sweeper's and the parallel launcher's options, which would fail after the sweep's directory is made

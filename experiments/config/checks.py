@@ -167,18 +167,19 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError("; ".join(problems))
 
 
-def models_error(cfg: DictConfig) -> Optional[str]:
+def parts_error(cfg: DictConfig) -> Optional[str]:
     """What a model's constructor refuses of its knobs (NSA: heads % kv_heads, compress_stride <=
-    compress_block_size, ...), or the task of the models and the data's kind, as one line: the model,
-    draft and VAE built on PyTorch's meta device (no memory, no weights, ~10 ms each), then handed to
-    the task's check_parts; None when each passes or fails otherwise (a run says why)."""
+    compress_block_size, ...), what the data's settings alone refuse (its class's check_settings), or
+    what the task refuses of the models and the data's kind, as one line: the model, draft and VAE
+    built on PyTorch's meta device (no memory, no weights, ~10 ms each), then handed to the task's
+    check_parts; None when each passes or fails otherwise (a run says why)."""
     import torch
     from hydra.utils import get_class
 
     from experiments.config.schema import SCHEMAS
     from experiments.runtime.build import build
 
-    nets = {}
+    nets, built = {}, True
     for slot, prefix in (("model", ""), ("draft", "draft_"), ("vae", "vae_")):
         if cfg.get(slot) is not None:
             try:
@@ -187,12 +188,16 @@ def models_error(cfg: DictConfig) -> Optional[str]:
             except UserError as e:
                 return str(e)
             except Exception:  # not a knob's fault (a constructor that needs real memory): the run will say
-                return None
+                built = False
     target = cfg.data._target_
     data_name = next((name for name, schema in SCHEMAS["data"].items() if schema._target_ == target), target)
     try:
-        kind = get_class(target).kind  # a data class of one's own without a kind: its run checks it
-        build(cfg.task, "task").check_parts(nets, kind, data_name)
+        data_class = get_class(target)
+        if hasattr(data_class, "check_settings"):  # what the data's settings alone decide (a passkey's room)
+            settings = OmegaConf.to_container(cfg.data, resolve=True)
+            data_class.check_settings(**{k: v for k, v in settings.items() if k != "_target_"})
+        if built and hasattr(data_class, "kind"):  # a data class of one's own without a kind: its run says so
+            build(cfg.task, "task").check_parts(nets, data_class.kind, data_name)
     except UserError as e:
         return str(e)
     except Exception:  # not the parts' fault (a class that does not import here): the run will say
@@ -371,7 +376,7 @@ def _first_failing(config_dir: str, jobs: list[list[str]], check: bool = False) 
                 cfg = compose(config_name="config", overrides=overrides)
                 if check:
                     check_config(cfg)
-                    if error := models_error(cfg):
+                    if error := parts_error(cfg):
                         return overrides, error
             except (HydraException, OmegaConfBaseException) as e:
                 if _resolved_in_the_run(e):  # checked there

@@ -95,6 +95,22 @@ class MQAR(RecallData):
 
     def __init__(self, vocab_size: int, seq_len: int, num_kv_pairs: int, power_a: float, random_non_queries: bool,
                  max_pairs_offset: int = 0):
+        self.check_settings(vocab_size, seq_len, num_kv_pairs, power_a, random_non_queries, max_pairs_offset)
+        n = num_kv_pairs
+        self.vocab_size, self.seq_len, self.num_kv_pairs, self.power_a = vocab_size, seq_len, n, power_a
+        self.random_non_queries, self.max_pairs_offset = random_non_queries, max_pairs_offset
+        self.name = (f"mqar-v{vocab_size}-n{seq_len}-kv{n}-a{power_a}" + ("-r" if random_non_queries else "")
+                     + (f"-o{max_pairs_offset}" if max_pairs_offset else ""))
+        # query slots of two tokens after the pairs (as many as the latest pairs leave room for); slot i
+        # (from the pairs on) drawn with weight i^(a - 1)
+        self.slots = (seq_len + 1 - max_pairs_offset - 2 * n) // 2
+        self.slot_weights = torch.arange(1, self.slots + 1, dtype=torch.float64) ** (power_a - 1)
+
+    @staticmethod
+    def check_settings(vocab_size: int, seq_len: int, num_kv_pairs: int, power_a: float, random_non_queries: bool,
+                       max_pairs_offset: int = 0) -> None:
+        """Refuse, in one line, settings that draw no item (the constructor's arguments; train.py's
+        pre-check calls it before any directory is made)."""
         n = num_kv_pairs
         if n < 1:
             raise UserError(f"data.num_kv_pairs={n} must be at least 1")
@@ -111,14 +127,6 @@ class MQAR(RecallData):
                             f"{2 * n + 2} or more")
         if not power_a > 0:
             raise UserError(f"data.power_a={power_a} must be positive (Zoology: 0.01)")
-        self.vocab_size, self.seq_len, self.num_kv_pairs, self.power_a = vocab_size, seq_len, n, power_a
-        self.random_non_queries, self.max_pairs_offset = random_non_queries, max_pairs_offset
-        self.name = (f"mqar-v{vocab_size}-n{seq_len}-kv{n}-a{power_a}" + ("-r" if random_non_queries else "")
-                     + (f"-o{max_pairs_offset}" if max_pairs_offset else ""))
-        # query slots of two tokens after the pairs (as many as the latest pairs leave room for); slot i
-        # (from the pairs on) drawn with weight i^(a - 1)
-        self.slots = (seq_len + 1 - max_pairs_offset - 2 * n) // 2
-        self.slot_weights = torch.arange(1, self.slots + 1, dtype=torch.float64) ** (power_a - 1)
 
     def _draw(self, b: int, gen: torch.Generator, depths: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         n, half = self.num_kv_pairs, self.vocab_size // 2
@@ -178,19 +186,7 @@ class Passkey(RecallData):
                  curriculum_steps: int = 0):
         from experiments.data import corpus
 
-        if digits < 1:
-            raise UserError(f"data.digits={digits} must be at least 1")
-        if depth_bins < 1:
-            raise UserError(f"data.depth_bins={depth_bins} must be at least 1")
-        if curriculum_steps < 0:
-            raise UserError(f"data.curriculum_steps={curriculum_steps} must be 0 (no curriculum) or more")
-        self._check_room("data.seq_len", seq_len, digits)
-        if curriculum_steps:
-            self._check_room("data.curriculum_seq_len", curriculum_seq_len, digits)
-            if seq_len % curriculum_seq_len:
-                raise UserError(f"data.curriculum_seq_len={curriculum_seq_len} must divide data.seq_len={seq_len}, "
-                                "so that a short batch holds as many tokens as a full one: use a divisor of "
-                                "data.seq_len, or data.curriculum_steps=0 for no curriculum")
+        self.check_settings(seq_len, digits, depth_bins, curriculum_seq_len, curriculum_steps)
         self.filler = torch.from_numpy(corpus.snapshot())
         self.seq_len, self.digits, self.depth_bins = seq_len, digits, depth_bins
         self.curriculum_seq_len, self.curriculum_steps = curriculum_seq_len, curriculum_steps
@@ -199,9 +195,29 @@ class Passkey(RecallData):
         self._short = copy.copy(self)  # the curriculum's items: the same filler, shorter
         self._short.seq_len, self._short.curriculum_steps = curriculum_seq_len, 0
 
-    def _check_room(self, key: str, length: int, digits: int) -> None:
-        needle = len(self._needle("0" * digits))
-        question = len(self._QUESTION) + digits
+    @classmethod
+    def check_settings(cls, seq_len: int, digits: int, depth_bins: int, curriculum_seq_len: int = 256,
+                       curriculum_steps: int = 0) -> None:
+        """Refuse, in one line, settings that draw no item (the constructor's arguments; train.py's
+        pre-check calls it before any directory is made)."""
+        if digits < 1:
+            raise UserError(f"data.digits={digits} must be at least 1")
+        if depth_bins < 1:
+            raise UserError(f"data.depth_bins={depth_bins} must be at least 1")
+        if curriculum_steps < 0:
+            raise UserError(f"data.curriculum_steps={curriculum_steps} must be 0 (no curriculum) or more")
+        cls._check_room("data.seq_len", seq_len, digits)
+        if curriculum_steps:
+            cls._check_room("data.curriculum_seq_len", curriculum_seq_len, digits)
+            if seq_len % curriculum_seq_len:
+                raise UserError(f"data.curriculum_seq_len={curriculum_seq_len} must divide data.seq_len={seq_len}, "
+                                "so that a short batch holds as many tokens as a full one: use a divisor of "
+                                "data.seq_len, or data.curriculum_steps=0 for no curriculum")
+
+    @classmethod
+    def _check_room(cls, key: str, length: int, digits: int) -> None:
+        needle = len(cls._needle("0" * digits))
+        question = len(cls._QUESTION) + digits
         if length + 1 < needle + question + 16:
             raise UserError(f"{key}={length} leaves no room for filler around the {needle}-byte needle and "
                             f"the {question}-byte question: raise {key} to {needle + question + 16} or more")

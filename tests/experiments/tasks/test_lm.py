@@ -60,8 +60,8 @@ def test_data_that_is_not_text_is_refused_naming_what_fits_it(compose, chosen):
     """Recall data's batches are (tokens, targets, mask) and images have no vocabulary: each failed
     with an AttributeError at the first step or in setup. Now refused by the pre-check, before the
     run's directory is made, by the task's own rule."""
-    from experiments.config.checks import models_error
+    from experiments.config.checks import parts_error
 
-    assert models_error(compose(f"data={chosen}", "model=transformer")) == (
+    assert parts_error(compose(f"data={chosen}", "model=transformer")) == (
         f"task=lm trains on text (data=text, stdlib or enwik8), and data={chosen} is not: use experiment=mqar or "
         "passkey for recall data, experiment=dvae or dalle for images")

@@ -124,7 +124,7 @@ def test_tasks_refuse_models_and_data_they_cannot_train(tmp_path, compose):
     """Each task's check_parts refuses the model and the data it cannot train (the models on the meta
     device, as train.py's pre-check builds them); one of them as train.py runs it: one line, no
     traceback, and no run directory."""
-    from experiments.config.checks import composition_error, models_error
+    from experiments.config.checks import composition_error, parts_error
 
     cases = ((["model=dvae"], "task=lm trains language models"),
              (["task=dvae", "data=shapes"], "task=dvae trains a discrete VAE"),
@@ -132,12 +132,12 @@ def test_tasks_refuse_models_and_data_they_cannot_train(tmp_path, compose):
              (["task=recall", "model=transformer"], "task=recall reads recall data, and data=text is not"),
              (["task=speculative"], "task=speculative needs a draft model"))
     for overrides, message in cases:
-        assert message in models_error(compose(*overrides)), overrides
+        assert message in parts_error(compose(*overrides)), overrides
     # image models on text: their config reads data.image_size, which composing already refuses
     assert "an image model reads data.image_size" in composition_error(str(ROOT / "conf"), ["experiment=dvae",
                                                                                           "data=text"])
     for preset in ("dvae", "dalle", "mqar", "passkey", "speculative"):
-        assert models_error(compose(f"experiment={preset}")) is None
+        assert parts_error(compose(f"experiment={preset}")) is None
     quick = ["tracker=none", "trainer.progress=false", "trainer.max_steps=1"]
     result = train(tmp_path / "run", "model=dvae", base=quick, check=False)
     assert result.returncode != 0 and "task=lm trains language models" in result.stderr, result.stderr
