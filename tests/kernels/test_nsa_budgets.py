@@ -100,6 +100,10 @@ def test_the_layer_is_within_every_budget(name, phase):
 
 
 def projection_bytes(setting: dict, n: int, element: int) -> int:
-    """Bytes of the layer's input projections' output: q, the six keys and values, the gate logits."""
+    """Bytes of the layer's input projections' output: q, the six keys and values, the gate logits, as
+    one product padded to aligned rows (models/attention/nsa.py's InputProjection)."""
+    from models.attention.nsa import InputProjection
+
     heads, kv_heads, dim_head = setting["heads"], setting["kv_heads"], setting["dim_head"]
-    return n * (heads * dim_head + 2 * BRANCHES * kv_heads * dim_head + BRANCHES * heads) * element
+    width = heads * dim_head + 2 * BRANCHES * kv_heads * dim_head + BRANCHES * heads
+    return n * (width + -width % InputProjection.ALIGN) * element

@@ -189,6 +189,29 @@ def test_cpu_kernel_training_keeps_neither_projection(precision):
     out.sum().backward()  # and the backward runs from what was kept
 
 
+@pytest.mark.parametrize("shared_kv", [False, True], ids=["own-kv", "shared-kv"])
+def test_the_projection_padded_to_aligned_rows_computes_each_projection(shared_kv):
+    """The one product of the query, key/value and gate projections is padded to a multiple of ALIGN
+    columns (4 * 8 + 6 * 2 * 8 + 3 * 4 = 140 -> 144 here): each view is its own layer's product, the
+    output's rows start ALIGN floats apart, and every weight's gradient is that of the layers alone."""
+    from models.attention.nsa import InputProjection
+
+    attn = NativeSparseAttention(dim=32, heads=4, dim_head=8, shared_kv=shared_kv, **KNOBS)
+    project = attn._project[0]
+    x = torch.randn(2, 40, 32)
+    out = project(x)
+    assert out.shape[-1] % InputProjection.ALIGN == 0 and out.shape[-1] - sum(project.widths) < InputProjection.ALIGN
+    views = project.split(out)
+    assert [v.shape[-1] for v in views] == project.widths
+    weights = torch.cat([layer.weight for layer in project.layers]).split(project.widths)
+    for view, weight in zip(views, weights):
+        torch.testing.assert_close(view, x @ weight.T)
+    grads = [torch.randn_like(v) for v in views]
+    torch.autograd.backward(views, grads)
+    dw = torch.cat([g.flatten(0, 1) for g in grads], -1).T @ x.flatten(0, 1)  # the layers' own weight gradient
+    torch.testing.assert_close(torch.cat([layer.weight.grad for layer in project.layers]), dw)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_bf16_training_keeps_one_cast_of_the_input(kernel):
     """Under autocast the query, key/value and gate projections read one bf16 cast of x: a layer
