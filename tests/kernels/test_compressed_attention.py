@@ -124,6 +124,8 @@ SELECTION_CASES = [  # (batch_kv, group, seq_q, dim_head, block, stride, fine bl
     (2, 2, 61, 8, 6, 4, 8, 2, 2),  # segments of 2 tokens; two forced blocks
     (1, 2, 45, 8, 5, 3, 7, 1, 4),  # coprime sizes: segments of one token; the own block only
     (1, 1, 12, 8, 16, 8, 4, 3, 2),  # shorter than a block: nothing complete, every choice a tie at 0
+    (1, 2, 700, 16, 16, 8, 8, 3, 3),  # 88 fine blocks: the choice scans them 16 at a time, most passed over
+    (1, 2, 300, 8, 16, 4, 16, 3, 2),  # a stride of one segment, four segments a fine block
 ]
 
 
