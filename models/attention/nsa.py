@@ -160,7 +160,9 @@ class InputProjection(nn.Module):
     The product's width is padded with zero rows of weight to a multiple of ALIGN columns: at bench
     size the widths sum to 1036 (the gates' 12 columns), and MKL's fp32 product x @ w^T took 1.2-2x
     as long at width 1036 as at 1040 (AMD EPYC Zen 4, 2 threads); every row of the output then also
-    starts on a 64-byte line, which the C kernels read rows of and a GPU's TMA descriptors need (16 B)."""
+    starts on a 64-byte line, which the C kernels read rows of and a GPU's TMA descriptors need (16 B).
+    The zero rows are the owning layer's buffer (`padding`, set by it before each call): made once,
+    moved and cast with the layer, never a launch a step."""
 
     ALIGN = 16
 
@@ -168,16 +170,16 @@ class InputProjection(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.widths = widths
-        self._padding: Optional[Tensor] = None  # the zero rows, kept: no launch a forward to make them
+        self.padding: Optional[Tensor] = None  # [padding_rows(widths), dim] zeros, or None
+
+    @classmethod
+    def padding_rows(cls, widths: list[int]) -> int:
+        return -sum(widths) % cls.ALIGN
 
     def forward(self, x: Tensor) -> Tensor:
         weights = [layer.weight for layer in self.layers]
-        if pad := -sum(self.widths) % self.ALIGN:
-            like = weights[0]
-            if self._padding is None or self._padding.shape[0] != pad or (self._padding.device, self._padding.dtype) != (
-                    like.device, like.dtype):
-                self._padding = like.new_zeros(pad, like.shape[1])
-            weights.append(self._padding)
+        if self.padding is not None and len(self.padding):
+            weights.append(self.padding)
         return F.linear(x, torch.cat(weights).to(x.dtype))
 
     def split(self, projected: Tensor) -> tuple[Tensor, ...]:
@@ -236,6 +238,8 @@ class NativeSparseAttention(nn.Module):
         kv_widths = [2 * kv_width] if shared_kv else [2 * kv_width] + [kv_width] * 4
         self._project = (InputProjection((self.to_q, self.to_kv, self.to_gates),
                                          [heads * dim_head, *kv_widths, BRANCHES * heads]),)
+        self.register_buffer("projection_padding", torch.zeros(InputProjection.padding_rows(self._project[0].widths),
+                                                               dim), persistent=False)
         hidden = max(1, int(dim_head * compress_hidden_mult))
         if compressor not in ("mlp", "mean"):
             raise ValueError(f"compressor={compressor} must be mlp or mean: set model.compressor")
@@ -249,6 +253,7 @@ class NativeSparseAttention(nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # one cast for the three projections, not one each
             x = x.to(torch.get_autocast_dtype(x.device.type))
         start = 0 if cache is None else cache.get("pos", 0)
+        self._project[0].padding = self.projection_padding  # as moved and cast with this layer
         # a kernel that saves the query and key/value projections for its backward may have them
         # recomputed from x instead (the CPU kernels: bench size at 8k, 616 -> 488 MB kept, dense 613);
         # not while a reversible stack recomputes this layer, whose backward follows at once

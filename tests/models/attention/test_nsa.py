@@ -197,7 +197,9 @@ def test_the_projection_padded_to_aligned_rows_computes_each_projection(shared_k
     from models.attention.nsa import InputProjection
 
     attn = NativeSparseAttention(dim=32, heads=4, dim_head=8, shared_kv=shared_kv, **KNOBS)
+    assert "projection_padding" not in attn.state_dict()  # a buffer of zeros, not a weight to save
     project = attn._project[0]
+    project.padding = attn.projection_padding
     x = torch.randn(2, 40, 32)
     out = project(x)
     assert out.shape[-1] % InputProjection.ALIGN == 0 and out.shape[-1] - sum(project.widths) < InputProjection.ALIGN
