@@ -23,7 +23,9 @@ from models.attention.nsa import BRANCHES
 # What a fast layer needs (issue 61's targets), as counted: launches at 28 (group 2, 14 of them Triton) and 26
 # (group 16) for a forward and backward: one product for the three input projections and one for x's
 # gradient, the compressor as one Triton op (1 forward, 2 backward), the compressed keys and values one
-# tensor through the attention op, gates inside the kernels; no-grad 11 and 8
+# tensor through the attention op, gates inside the kernels; no-grad 11 and 8. At group 2 the product's
+# width is padded to a multiple of 16 columns (InputProjection.ALIGN), whose unused gradient one more
+# launch fills: 29
 LAUNCHES = 30  # per layer forward + backward (dense attention: 14)
 FORWARD_LAUNCHES = 12  # per no-grad forward, the same kernels as training (dense: 4)
 SYNCS = 0  # host waits for a device value: each stalls the GPU's queue and breaks CUDA graphs
