@@ -76,37 +76,12 @@ INLINE float exp_less_max(float *x, int64_t count, float *total) {
     return top + logf(sum);
 }
 
-/* scores[0..hi-lo) = scale * (q . key j) for keys lo..hi-1, from the keys in tiles of TILE keys
- * transposed ([n / TILE, d, TILE]): a tile's TILE scores accumulate in vector registers along d
- * (four partial sums, so the multiply-adds do not wait on each other), and every tile is one
- * contiguous run of memory (a plain transpose, [d, n], would put a span's d rows n floats apart, on
- * the same few cache sets). */
-INLINE void tile_scores(float *scores, const float *q, const float *tiles, int64_t d, int64_t lo, int64_t hi,
-                        float scale) {
-    for (int64_t t0 = lo - lo % TILE; t0 < hi; t0 += TILE) {
-        const float *tile = tiles + t0 * d;
-        float acc[4][TILE] = {{0.0f}};
-        int64_t e = 0;
-        for (; e + 4 <= d; e += 4) {
-            for (int u = 0; u < 4; u++) {
-                const float qe = q[e + u];
-#pragma omp simd
-                for (int l = 0; l < TILE; l++) acc[u][l] += qe * tile[(e + u) * TILE + l];
-            }
-        }
-        for (; e < d; e++) {
-#pragma omp simd
-            for (int l = 0; l < TILE; l++) acc[0][l] += q[e] * tile[e * TILE + l];
-        }
-        const int64_t first = t0 < lo ? lo - t0 : 0, last = t0 + TILE > hi ? hi - t0 : TILE;
-        for (int64_t l = first; l < last; l++)
-            scores[t0 + l - lo] = scale * ((acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]));
-    }
-}
-
-/* tile_scores for nh = 1 or 2 query heads at once (nh a constant after inlining): each key tile is
- * loaded once for both heads, two partial sums per head, so that two heads fit the registers of
- * AVX2 as well as AVX-512. */
+/* scores[h][0..hi-lo) = scale * (q[h] . key j) for keys lo..hi-1 and nh = 1 or 2 query heads at once
+ * (nh a constant after inlining), from the keys in tiles of TILE keys transposed ([n / TILE, d,
+ * TILE]): each key tile is loaded once for both heads, and a tile's TILE scores accumulate in vector
+ * registers along d, two partial sums a head, so that two heads fit the registers of AVX2 as well
+ * as AVX-512 (four a head measured slower on a Zen 4); every tile is one contiguous run of memory
+ * (a plain transpose, [d, n], would put a span's d rows n floats apart, on the same few cache sets). */
 INLINE void tile_scores_heads(float *const *scores, const float *const *q, const int nh, const float *tiles,
                               int64_t d, int64_t lo, int64_t hi, float scale) {
     for (int64_t t0 = lo - lo % TILE; t0 < hi; t0 += TILE) {

@@ -170,7 +170,7 @@ def row_strides(x: Tensor, split: bool) -> tuple[int, ...]:
 
 def transposed_tiles(x: Tensor) -> Tensor:
     """[..., n, d] -> [..., n / TILE, d, TILE] (n zero-padded to a multiple of TILE): keys in the
-    layout native.h's tile_scores reads; x may be any strided view."""
+    layout native.h's tile_scores_heads reads; x may be any strided view."""
     n, d = x.shape[-2:]
     whole = n - n % TILE
     tiles = x.new_empty(*x.shape[:-2], -(-n // TILE), d, TILE)  # one copy of x, written straight into its layout

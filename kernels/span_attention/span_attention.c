@@ -121,6 +121,12 @@ INLINE void weighted_rows(float *const *out, const float *const *coef, const int
                 }
         return;
     }
+    if (d / VEC <= ROW_REGS) { /* the row in one piece (AVX-512, d = 64: 4 registers a head), each row read once:
+                                * in pieces of one register it was read 4 times, each head's sum one chain of
+                                * dependent multiply-adds (the backward's hottest loop on the Zen 4) */
+        weighted_rows_piece(out, coef, nh, span, S, rows, row_stride, 0, (int)(d / VEC));
+        return;
+    }
     int64_t x0 = 0;
     for (; x0 + ROW_REGS <= d / VEC; x0 += ROW_REGS) weighted_rows_piece(out, coef, nh, span, S, rows, row_stride, x0, ROW_REGS);
     for (; x0 < d / VEC; x0++) weighted_rows_piece(out, coef, nh, span, S, rows, row_stride, x0, 1);
