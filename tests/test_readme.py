@@ -3,8 +3,6 @@ config's checks (Hydra's compose API, as train.py composes), and each `python -m
 accepts its flags (its argparse parser, stopped once it has parsed). Nothing is trained or run."""
 
 import argparse
-import importlib
-import importlib.util
 import re
 import shlex
 
@@ -14,6 +12,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from experiments.config.checks import check_config
 from tests.helpers.runs import ROOT
+from tests.helpers.tool_flags import parsed_flags
 
 
 def readme_commands() -> list[list[str]]:
@@ -49,24 +48,7 @@ def test_train_commands_compose_and_pass_the_checks(compose, overrides):
     check_config(cfg)
 
 
-class Parsed(Exception):
-    """Raised in place of running a tool once its flags have parsed."""
-
-
 @pytest.mark.parametrize("argv", TOOLS, ids=[" ".join(a) for a in TOOLS])
 def test_tool_commands_exist_and_accept_their_flags(argv, monkeypatch):
     module, *flags = argv
-    parse = argparse.ArgumentParser.parse_args
-
-    def parse_only(self, args=None, namespace=None):
-        parse(self, args, namespace)
-        raise Parsed
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
-    spec = importlib.util.find_spec(module)
-    if spec.submodule_search_locations:  # a package: `python -m` runs its __main__, which calls main of ...
-        entry = (ROOT / spec.submodule_search_locations[0] / "__main__.py").read_text()
-        module = re.search(r"^from (\S+) import main$", entry, flags=re.M).group(1)
-    main = importlib.import_module(module).main
-    with pytest.raises(Parsed):
-        main(flags)
+    assert isinstance(parsed_flags(module, flags, monkeypatch), argparse.Namespace)

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]  # train.py's folder: the commands run there
-NSA_VS_DENSE = [sys.executable, "-m", "experiments.bench.models", "--models", "nsa", "transformer", "--batch", "1"]
+MODELS = [sys.executable, "-m", "experiments.bench.models", "--batch", "1"]
+NSA_VS_DENSE = [*MODELS, "--models", "nsa", "transformer"]
 AVX2 = "x86-64-v3"
 # (environment, command) pairs of each stage, run in turn
 STAGES = {
@@ -38,10 +39,9 @@ STAGES = {
     "nsa8k-avx2": [({"SPARSE_ATTENTION_MARCH": AVX2}, [*NSA_VS_DENSE, "--seq", "8192", "--steps", "3", "--repeat", "5"])],
     "nsa32k": [({}, [*NSA_VS_DENSE, "--seq", "32768", "--steps", "2", "--repeat", "3"])],
     "bf16": [({}, [*NSA_VS_DENSE, "--seq", "8192", "--steps", "3", "--repeat", "3", "--precision", "bf16"]),
-             ({}, [sys.executable, "-m", "experiments.bench.models", "--models", "nsa", "--batch", "1", "--seq", "8192",
-                   "--steps", "3", "--repeat", "3", "--precision", "bf16", "--override", "model.kernel=torch"])],
-    "dsa": [({}, [sys.executable, "-m", "experiments.bench.models", "--models", "dsa", "transformer", "--batch", "1",
-                  "--seq", "8192", "--steps", "3", "--repeat", "3"])],
+             ({}, [*MODELS, "--models", "nsa", "--seq", "8192", "--steps", "3", "--repeat", "3", "--precision", "bf16",
+                   "--override", "model.kernel=torch"])],
+    "dsa": [({}, [*MODELS, "--models", "dsa", "transformer", "--seq", "8192", "--steps", "3", "--repeat", "3"])],
     "decoding": [({}, [sys.executable, "-m", "experiments.bench.speculative", "--models", "ours", "ref"])],
     "speculative": [({}, [sys.executable, "train.py", "experiment=speculative", "tracker=none"]),
                     ({}, [sys.executable, "-m", "experiments.bench.speculative", "--models", "--primes", "5"])],
@@ -89,6 +89,11 @@ def header(cpu: dict) -> str:
             f"C kernels {native.isa()}")
 
 
+def reference_installed() -> bool:
+    """Whether the decoding stage's reference package (speculative-decoding) is importable here."""
+    return importlib.util.find_spec("speculative_decoding") is not None
+
+
 def stage_commands(stage: str, run: Optional[Path]) -> list[tuple[dict, list[str]]]:
     """The stage's (environment, command) pairs, with the run directory the speculative preset
     trains into, and the decoding reference left out where it is not installed."""
@@ -98,7 +103,7 @@ def stage_commands(stage: str, run: Optional[Path]) -> list[tuple[dict, list[str
             command = [*command, f"hydra.run.dir={run}"]
         elif stage == "speculative":
             command = [*command, "--run", str(run)]
-        elif stage == "decoding" and importlib.util.find_spec("speculative_decoding") is None:
+        elif stage == "decoding" and not reference_installed():
             command = [arg for arg in command if arg != "ref"]
         commands.append((env, command))
     return commands
@@ -114,7 +119,7 @@ def run_stage(stage: str, out: Path, cpu: dict) -> int:
         if reason := cannot_run(stage, cpu):
             f.write(f"not run: {reason}\n")
         else:
-            if stage == "decoding" and importlib.util.find_spec("speculative_decoding") is None:
+            if stage == "decoding" and not reference_installed():
                 f.write("the reference package is not installed (pip install speculative-decoding==0.2.0): ours alone\n")
             run = Path(tempfile.mkdtemp(prefix="cpu_report_")) / "run" if stage == "speculative" else None
             for env, command in stage_commands(stage, run):

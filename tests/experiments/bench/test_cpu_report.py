@@ -1,14 +1,13 @@
 """The CPU report names the CPU it ran on (the kind and its ISAs), runs each stage's commands in
 turn into the stage's log, and says in one line where a stage does not apply to this CPU."""
 
-import argparse
-import importlib
 import sys
 
 import pytest
 
 from experiments.bench import cpu_report
 from experiments.bench.models import config_problem
+from tests.helpers.tool_flags import parsed_flags
 
 # /proc/cpuinfo's first processor, as the three kinds the figures come from print it (flags cut short)
 ZEN3 = """processor\t: 0
@@ -75,28 +74,15 @@ def test_an_unknown_stage_is_refused_before_anything_is_written(tmp_path, capsys
     assert not (tmp_path / "logs").exists()
 
 
-class Parsed(Exception):
-    """Raised in place of running a tool once its flags have parsed."""
-
-
 @pytest.mark.parametrize("stage", list(cpu_report.STAGES))
 def test_every_stage_names_tools_that_accept_its_flags_and_models_that_compose(stage, monkeypatch):
     """Each command's flags parse, and each benchmark's models compose with its overrides (what the
     benchmark checks before it starts a child): a stage that fails an hour in costs that hour.
     (The bf16 stage's PyTorch path, given for NSA and dense alike, failed this: dense has no kernel.)"""
-    parse = argparse.ArgumentParser.parse_args
-    parsed = []
-
-    def parse_only(self, args=None, namespace=None):
-        parsed.append(parse(self, args, namespace))
-        raise Parsed
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
     for _, command in cpu_report.stage_commands(stage, cpu_report.ROOT / "run"):
         if command[1] == "train.py":
             continue  # the preset's composition is test_readme's and test_train's
         module, flags = command[2], command[3:]
-        with pytest.raises(Parsed):
-            importlib.import_module(module).main(flags)
+        parsed = parsed_flags(module, flags, monkeypatch)
         if module == "experiments.bench.models":
-            assert config_problem(parsed[-1].models, parsed[-1].override) is None, command
+            assert config_problem(parsed.models, parsed.override) is None, command
