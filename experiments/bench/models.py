@@ -418,7 +418,8 @@ def main(argv=None) -> int:
     from experiments.bench.measure import measure_in_child
     from experiments.runtime.throughput import device_name
 
-    threads = f", {args.threads} threads, C kernels {kernels_isa(device)}" if device == "cpu" else ""
+    threads = (f", {args.threads} threads, C kernels {kernels_isa(device)}, PyTorch "
+               f"{torch.backends.cpu.get_cpu_capability()}" if device == "cpu" else "")
     print(f"{device_name(torch.device(device))}{threads}, {args.precision}, "
           f"{'decoding after a cache' if args.decode else 'training step'}", flush=True)
     rows: dict[tuple, list[dict]] = {}

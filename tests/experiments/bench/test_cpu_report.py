@@ -2,6 +2,7 @@
 turn into the stage's log, and says in one line where a stage does not apply to this CPU."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,6 +60,24 @@ def test_a_stage_runs_its_commands_in_turn_with_their_settings_and_stops_at_a_fa
     log = (tmp_path / "dsa.log").read_text()
     assert f"$ SPARSE_ATTENTION_MARCH=x86-64-v3 {sys.executable} -c {show}\nmarch x86-64-v3\n" in log
     assert "never" not in log and log.rstrip().splitlines()[-1].startswith("[dsa: exit 3, ")
+
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@pytest.mark.skipif(not CPUINFO.exists() or "avx2" not in cpu_report.cpu_identity(CPUINFO.read_text())["flags"],
+                    reason="the AVX2 stage's settings need a Linux CPU with AVX2")
+def test_the_avx2_stage_holds_pytorch_to_avx2_as_well_as_the_c_kernels(tmp_path, monkeypatch):
+    """Dense runs on PyTorch's ops and MKL: an AVX2 comparison that left them on AVX-512 would time
+    NSA's kernels on one ISA against dense on another."""
+    ((env, _),) = cpu_report.STAGES["nsa8k-avx2"]
+    show = ("import torch, os; from kernels import native; "
+            "print(torch.backends.cpu.get_cpu_capability(), native.isa(), os.environ['MKL_ENABLE_INSTRUCTIONS'])")
+    monkeypatch.setitem(cpu_report.STAGES, "nsa8k-avx2", [(env, [sys.executable, "-c", show])])
+    zen4 = cpu_report.cpu_identity(ZEN4)
+    assert cpu_report.run_stage("nsa8k-avx2", tmp_path, zen4) == 0
+    log = (tmp_path / "nsa8k-avx2.log").read_text()
+    assert log.splitlines()[0].endswith("; C kernels AVX2 (x86-64-v3)") and "\nAVX2 AVX2 (x86-64-v3) AVX2\n" in log
 
 
 def test_the_speculative_stage_benchmarks_the_run_it_trained():
