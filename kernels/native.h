@@ -163,4 +163,108 @@ static int run_rows(const void *problem, int64_t rows, int threads, int interlea
     return failed;
 }
 
+/* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]) for the few rows of a decoding step
+ * (1 to 16): no packing of w, which a general matrix product copies on every call, and each vector
+ * of w loaded once per block of rows, which a vector-matrix product per row loads once per row.
+ * A block is OUTS outputs by up to MAX_ROWS rows of accumulators in registers; threads take
+ * contiguous ranges of outputs (few_row_linear/, dense_decoding/). */
+#define OUTS 4 /* weight rows a block reads together: each x vector loaded serves OUTS of them */
+#if VEC_REGS >= 32
+#define MAX_ROWS 6 /* OUTS * MAX_ROWS accumulators, OUTS weight vectors and one x vector: 29 of 32 registers */
+#else
+#define MAX_ROWS 2 /* the same in 16: 13 */
+#endif
+
+typedef struct {
+    const float *x, *w, *bias;
+    float *y;
+    int64_t rows, in, out;
+} FewRows;
+
+INLINE float lane_sum(vec v) {
+    float s = 0.0f;
+    for (int l = 0; l < VEC; l++) s += v[l];
+    return s;
+}
+
+/* y[r0 .. r0 + R, o0 .. o0 + OUTS): R is a constant where this is inlined, so the accumulators stay
+ * in registers. Past the last output the last weight row is read again and its sums dropped. */
+INLINE void few_rows_block(const FewRows *p, int64_t o0, int64_t r0, const int R) {
+    const int64_t in = p->in;
+    const float *w[OUTS];
+    for (int j = 0; j < OUTS; j++) w[j] = p->w + (o0 + j < p->out ? o0 + j : p->out - 1) * in;
+    const float *x = p->x + r0 * in;
+    vec acc[OUTS][MAX_ROWS];
+    for (int j = 0; j < OUTS; j++)
+        for (int r = 0; r < R; r++) acc[j][r] = (vec){0};
+    int64_t i = 0;
+    for (; i + VEC <= in; i += VEC) {
+        vec wv[OUTS];
+        for (int j = 0; j < OUTS; j++) wv[j] = *(const vec *)(w[j] + i);
+        for (int r = 0; r < R; r++) {
+            const vec xv = *(const vec *)(x + r * in + i);
+            for (int j = 0; j < OUTS; j++) acc[j][r] += wv[j] * xv;
+        }
+    }
+    for (int j = 0; j < OUTS && o0 + j < p->out; j++)
+        for (int r = 0; r < R; r++) {
+            float s = lane_sum(acc[j][r]);
+            for (int64_t k = i; k < in; k++) s += w[j][k] * x[r * in + k]; /* in not a multiple of VEC */
+            p->y[(r0 + r) * p->out + o0 + j] = s + (p->bias ? p->bias[o0 + j] : 0.0f);
+        }
+}
+
+/* y [1, o0 .. o1): one weight row after another, each read as one stream with four sums in flight.
+ * At one row the product streams weights from memory; rows of OUTS read together (four streams
+ * interleaved) took 1.1-1.2x as long over decoding's 127 MB of weights (AMD EPYC Zen 4). */
+static void one_row(const FewRows *p, int64_t o0, int64_t o1) {
+    const int64_t in = p->in;
+    for (int64_t o = o0; o < o1; o++) {
+        const float *w = p->w + o * in;
+        vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+        for (; i + 4 * VEC <= in; i += 4 * VEC) {
+            a0 += *(const vec *)(w + i) * *(const vec *)(p->x + i);
+            a1 += *(const vec *)(w + i + VEC) * *(const vec *)(p->x + i + VEC);
+            a2 += *(const vec *)(w + i + 2 * VEC) * *(const vec *)(p->x + i + 2 * VEC);
+            a3 += *(const vec *)(w + i + 3 * VEC) * *(const vec *)(p->x + i + 3 * VEC);
+        }
+        float s = lane_sum((a0 + a1) + (a2 + a3));
+        for (; i < in; i++) s += w[i] * p->x[i];
+        p->y[o] = s + (p->bias ? p->bias[o] : 0.0f);
+    }
+}
+
+/* a thread's groups of OUTS outputs */
+static void *few_rows_outputs(void *arg) {
+    Work *work = arg;
+    const FewRows *p = work->problem;
+    if (p->rows == 1 && work->step == 1) {
+        one_row(p, work->first * OUTS, work->last * OUTS < p->out ? work->last * OUTS : p->out);
+        return NULL;
+    }
+    for (int64_t g = work->first; g < work->last; g += work->step)
+        for (int64_t r0 = 0; r0 < p->rows; r0 += MAX_ROWS) {
+            const int64_t left = p->rows - r0;
+            switch (left < MAX_ROWS ? left : MAX_ROWS) { /* one inlined block per row count */
+            case 1: few_rows_block(p, g * OUTS, r0, 1); break;
+            case 2: few_rows_block(p, g * OUTS, r0, 2); break;
+#if MAX_ROWS >= 6
+            case 3: few_rows_block(p, g * OUTS, r0, 3); break;
+            case 4: few_rows_block(p, g * OUTS, r0, 4); break;
+            case 5: few_rows_block(p, g * OUTS, r0, 5); break;
+            case 6: few_rows_block(p, g * OUTS, r0, 6); break;
+#endif
+            }
+        }
+    return NULL;
+}
+
+/* x, w, y contiguous fp32; bias fp32 or NULL; 0 on success */
+static int few_rows_product(const float *x, const float *w, const float *bias, float *y, int64_t rows, int64_t in,
+                            int64_t out, int threads) {
+    FewRows p = {x, w, bias, y, rows, in, out};
+    return run_rows(&p, (out + OUTS - 1) / OUTS, threads, 0, few_rows_outputs);
+}
+
 #endif

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels import few_row_linear
+from models.fused_decoding import fused_blocks
 
 
 def filter_top_k(logits: Tensor, k: Optional[int]) -> Tensor:
@@ -68,7 +69,11 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
     out divisible by 4 x threads) takes the plain product. Other dtypes and devices, and products
     under autocast, are left alone (the half-precision product is already parallel). `plan`
     ({bucket's rows: path}) skips the measurement. Inside an enclosing context, the linears it
-    patched keep its plan."""
+    patched keep its plan.
+
+    Dense language models go further (models/fused_decoding.py): their decoding steps run through
+    all blocks in one C call, whose products are the few-row kernel's, so only the linears outside
+    the blocks (the logits) take the plan."""
     threads = torch.get_num_threads()
     linears = [module for module in planned_linears(*models) if "forward" not in vars(module)]  # not patched already
     plan = plan or decoding_plan(linears, threads)
@@ -79,7 +84,8 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
             module.forward = _planned_linear(module, threads, paths)
             patched.append(module)
     try:
-        yield
+        with fused_blocks(*models):
+            yield
     finally:
         for module in patched:
             del module.forward  # back to nn.Linear.forward

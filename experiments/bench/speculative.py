@@ -83,11 +83,16 @@ def _plain_decoder(model, prompt, engine: str):
 
 
 def _plan(threads: int, *models) -> str:
-    """The paths decoding's linears took on this CPU, and the ms of each path they were chosen from, as a line."""
+    """How decoding ran on this CPU, as a line: whether the blocks took the fused kernel, and the paths
+    the linears took (the ms of each path they were chosen from)."""
+    from kernels import dense_decoding
+    from models.fused_decoding import fits
     from models.sampling import decoding_plan, describe_plan, plan_times, planned_linears
 
     linears = planned_linears(*models)
-    return describe_plan(decoding_plan(linears, threads), plan_times(linears, threads))
+    plan = describe_plan(decoding_plan(linears, threads), plan_times(linears, threads))
+    fused = dense_decoding.available() and all(fits(model) is None for model in models)
+    return f"blocks fused (one C call a step), the other linears {plan}" if fused else plan
 
 
 def speculative(run: Path, gamma: int, length: int, primes: int, temperature: float, threads: int,
@@ -253,7 +258,7 @@ def main(argv=None) -> int:
                                        f"{'yes' if bf16_matrix_units() else 'no'}" if device.type == "cpu" else "")
           + f"; our decoders: engine {engine}")
     if plain_rows.get("ours", {}).get("plan"):
-        print(f"decoding linears (measured on this CPU): {plain_rows['ours']['plan']}")
+        print(f"decoding (measured on this CPU): {plain_rows['ours']['plan']}")
     if plain_rows:
         print(f"plain decoding, seed target: {PRIME}-token prime, {LENGTH} greedy tokens, batch 1, fp32")
         print(f"{'model':<6} {'params':>12} {'tokens/s':>10}")
@@ -273,7 +278,7 @@ def main(argv=None) -> int:
         if engine != "cache":
             print(f"             plain greedy output equal to the growing cache's (eager): {r['same_as_cache']}")
         if r.get("plan"):
-            print(f"linears      {r['plan']}")
+            print(f"decoding     {r['plan']}")
         round_ms = args.gamma * r["draft_ms"] + r["verify_ms"]
         print(f"calls        target step {r['step_ms']:.2f} ms, verification of {args.gamma + 1} tokens "
               f"{r['verify_ms']:.2f} ms ({r['verify_ms'] / r['step_ms']:.2f} steps), draft step {r['draft_ms']:.2f} ms")

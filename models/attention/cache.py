@@ -1,6 +1,6 @@
 """Caches for incremental decoding, shared by the attentions.
 
-Growing buffers (`append`, `truncate`): tensors are stored along their second-to-last dimension
+Growing buffers (`append`, `reserve`, `truncate`): tensors are stored along their second-to-last dimension
 (the sequence: keys [b, h, n, d], inputs [b, n, dim]) in buffers that grow by doubling, so
 decoding copies each position once instead of the whole cache per token; rolling back is O(1)
 (later writes overwrite). The position reached is a Python int, cache["pos"].
@@ -24,17 +24,32 @@ def append(cache: dict, start: int, **tensors: Tensor) -> list[Tensor]:
     views = []
     for name, t in tensors.items():
         end = start + t.shape[-2]
-        buf = cache.get(name)
-        if buf is None or buf.shape[-2] < end or buf.dtype != t.dtype:
-            capacity = max(end, 2 * (buf.shape[-2] if buf is not None else 0), 64)
-            grown = t.new_empty(*t.shape[:-2], capacity, t.shape[-1])
-            if start:
-                grown[..., :start, :] = buf[..., :start, :]
-            cache[name] = buf = grown
+        buf = _holding(cache, name, start, end, t)
         buf[..., start:end, :] = t
         views.append(buf[..., :end, :])
     cache["pos"] = start + next(iter(tensors.values())).shape[-2]
     return views
+
+
+def reserve(cache: dict, end: int, template: Tensor, *names: str) -> list[Tensor]:
+    """The buffers `names` of the cache, grown as `append` grows them to hold positions [0, end)
+    (what lies before cache["pos"] kept), for a kernel that writes them itself; `template` [..., 0,
+    d] gives a missing buffer's other dimensions, dtype and device. cache["pos"] is left as it is."""
+    return [_holding(cache, name, cache.get("pos", 0), end, template) for name in names]
+
+
+def _holding(cache: dict, name: str, start: int, end: int, like: Tensor) -> Tensor:
+    """The buffer `name`, replaced by one of twice the size (at least `end` and 64 positions, like's
+    other dimensions and dtype) where it is missing, too short or of another dtype; its first
+    `start` positions are kept."""
+    buf = cache.get(name)
+    if buf is None or buf.shape[-2] < end or buf.dtype != like.dtype:
+        capacity = max(end, 2 * (buf.shape[-2] if buf is not None else 0), 64)
+        grown = like.new_empty(*like.shape[:-2], capacity, like.shape[-1])
+        if start:
+            grown[..., :start, :] = buf[..., :start, :]
+        cache[name] = buf = grown
+    return buf
 
 
 def truncate(cache: dict, length: int) -> None:
