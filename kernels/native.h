@@ -165,15 +165,10 @@ static int run_rows(const void *problem, int64_t rows, int threads, int interlea
 
 /* y [rows, out] = x [rows, in] @ w [out, in]^T (+ bias [out]) for the few rows of a decoding step
  * (1 to 16): no packing of w, which a general matrix product copies on every call, and each vector
- * of w loaded once per block of rows, which a vector-matrix product per row loads once per row.
- * A block is OUTS outputs by up to MAX_ROWS rows of accumulators in registers; threads take
- * contiguous ranges of outputs (few_row_linear/, dense_decoding/). */
-#define OUTS 4 /* weight rows a block reads together: each x vector loaded serves OUTS of them */
-#if VEC_REGS >= 32
-#define MAX_ROWS 6 /* OUTS * MAX_ROWS accumulators, OUTS weight vectors and one x vector: 29 of 32 registers */
-#else
-#define MAX_ROWS 2 /* the same in 16: 13 */
-#endif
+ * of w loaded once for up to MAX_ROWS rows, which a vector-matrix product per row loads once per
+ * row. Threads take contiguous ranges of outputs (few_row_linear/, dense_decoding/). */
+#define OUTS 4     /* outputs a unit of the threads' split */
+#define MAX_ROWS 6 /* rows a pass over the weights takes: 12 sums, 2 weight vectors and one of x */
 
 typedef struct {
     const float *x, *w, *bias;
@@ -181,82 +176,126 @@ typedef struct {
     int64_t rows, in, out;
 } FewRows;
 
-INLINE float lane_sum(vec v) {
-    float s = 0.0f;
-    for (int l = 0; l < VEC; l++) s += v[l];
-    return s;
+/* Merging two vectors of sums a, b whose lanes hold groups of `width` partial sums of one value
+ * each: the sum of each group's halves, a's groups then b's, `width` / 2 lanes a group. After
+ * log2 VEC merges, VEC vectors have become one whose lane k sums vector k: ~3 operations a sum,
+ * where a scalar sum of each vector's lanes takes VEC (the few-row product's 2 x R sums of a pair
+ * of weight rows, dense decoding's VEC scores at a time). */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector) /* GCC 12, clang */
+#define HAVE_SHUFFLEVECTOR 1
+#endif
+#endif
+#if !defined(HAVE_SHUFFLEVECTOR)
+#elif VEC == 16
+#define MERGE16(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) + \
+                       __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+#define MERGE8(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) + \
+                      __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
+#define MERGE4(a, b) (__builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) + \
+                      __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31))
+#define MERGE2(a, b) (__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) + \
+                      __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
+#define MERGE(width, a, b) ((width) == 16 ? MERGE16(a, b) : (width) == 8 ? MERGE8(a, b) : (width) == 4 ? MERGE4(a, b) \
+                                                                                                  : MERGE2(a, b))
+#elif VEC == 8
+#define MERGE8(a, b) (__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + \
+                      __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15))
+#define MERGE4(a, b) (__builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + \
+                      __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15))
+#define MERGE2(a, b) (__builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + \
+                      __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15))
+#define MERGE(width, a, b) ((width) == 8 ? MERGE8(a, b) : (width) == 4 ? MERGE4(a, b) : MERGE2(a, b))
+#else
+#define MERGE4(a, b) (__builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7))
+#define MERGE2(a, b) (__builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7))
+#define MERGE(width, a, b) ((width) == 4 ? MERGE4(a, b) : MERGE2(a, b))
+#endif
+
+/* sums[k] = the sum of v[k]'s lanes, k < n (n a constant where this is inlined); v is overwritten */
+INLINE void lane_sums(vec *v, const int n, float *sums) {
+#if !defined(HAVE_SHUFFLEVECTOR) /* older compilers: lane by lane */
+    for (int k = 0; k < n; k++) {
+        float s = 0.0f;
+        for (int l = 0; l < VEC; l++) s += v[k][l];
+        sums[k] = s;
+    }
+#else
+    int count = n;
+    for (int width = VEC; width > 1; width /= 2) {
+        const int merged = (count + 1) / 2;
+        for (int k = 0; k < merged; k++) {
+            const vec a = v[2 * k], b = 2 * k + 1 < count ? v[2 * k + 1] : (vec){0};
+            v[k] = MERGE(width, a, b);
+        }
+        count = merged;
+    }
+    for (int k = 0; k < n; k++) sums[k] = v[k / VEC][k % VEC];
+#endif
 }
 
-/* y[r0 .. r0 + R, o0 .. o0 + OUTS): R is a constant where this is inlined, so the accumulators stay
- * in registers. Past the last output the last weight row is read again and its sums dropped. */
-INLINE void few_rows_block(const FewRows *p, int64_t o0, int64_t r0, const int R) {
+/* y[r0 .. r0 + R, o0 .. o1): weight rows read two at a time, each as one stream, against R rows of
+ * x (R a constant where this is inlined): each x vector loaded serves both, in U interleaved sets
+ * of 2 R sums so that at least four are in flight. Four weight rows read together (four streams,
+ * each x vector loaded four times for want of registers) ran the preset's verification pass of 6
+ * rows at a third of the bandwidth of one row (AMD EPYC Zen 4). */
+INLINE void rows_block(const FewRows *p, int64_t o0, int64_t o1, int64_t r0, const int R) {
+    const int U = R >= 2 ? 1 : 2; /* 2 U R sums, at most 2 MAX_ROWS */
     const int64_t in = p->in;
-    const float *w[OUTS];
-    for (int j = 0; j < OUTS; j++) w[j] = p->w + (o0 + j < p->out ? o0 + j : p->out - 1) * in;
     const float *x = p->x + r0 * in;
-    vec acc[OUTS][MAX_ROWS];
-    for (int j = 0; j < OUTS; j++)
-        for (int r = 0; r < R; r++) acc[j][r] = (vec){0};
-    int64_t i = 0;
-    for (; i + VEC <= in; i += VEC) {
-        vec wv[OUTS];
-        for (int j = 0; j < OUTS; j++) wv[j] = *(const vec *)(w[j] + i);
-        for (int r = 0; r < R; r++) {
-            const vec xv = *(const vec *)(x + r * in + i);
-            for (int j = 0; j < OUTS; j++) acc[j][r] += wv[j] * xv;
-        }
-    }
-    for (int j = 0; j < OUTS && o0 + j < p->out; j++)
-        for (int r = 0; r < R; r++) {
-            float s = lane_sum(acc[j][r]);
-            for (int64_t k = i; k < in; k++) s += w[j][k] * x[r * in + k]; /* in not a multiple of VEC */
-            p->y[(r0 + r) * p->out + o0 + j] = s + (p->bias ? p->bias[o0 + j] : 0.0f);
-        }
-}
-
-/* y [1, o0 .. o1): one weight row after another, each read as one stream with four sums in flight.
- * At one row the product streams weights from memory; rows of OUTS read together (four streams
- * interleaved) took 1.1-1.2x as long over decoding's 127 MB of weights (AMD EPYC Zen 4). */
-static void one_row(const FewRows *p, int64_t o0, int64_t o1) {
-    const int64_t in = p->in;
-    for (int64_t o = o0; o < o1; o++) {
-        const float *w = p->w + o * in;
-        vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t o = o0; o < o1; o += 2) {
+        const float *w0 = p->w + o * in, *w1 = p->w + (o + 1 < o1 ? o + 1 : o) * in;
+        vec acc[2 * MAX_ROWS]; /* set u, row r, weight row j at (u * R + r) * 2 + j */
+        for (int k = 0; k < 2 * U * R; k++) acc[k] = (vec){0};
         int64_t i = 0;
-        for (; i + 4 * VEC <= in; i += 4 * VEC) {
-            a0 += *(const vec *)(w + i) * *(const vec *)(p->x + i);
-            a1 += *(const vec *)(w + i + VEC) * *(const vec *)(p->x + i + VEC);
-            a2 += *(const vec *)(w + i + 2 * VEC) * *(const vec *)(p->x + i + 2 * VEC);
-            a3 += *(const vec *)(w + i + 3 * VEC) * *(const vec *)(p->x + i + 3 * VEC);
+        for (; i + U * VEC <= in; i += U * VEC)
+            for (int u = 0; u < U; u++) {
+                const vec a = *(const vec *)(w0 + i + u * VEC), b = *(const vec *)(w1 + i + u * VEC);
+                for (int r = 0; r < R; r++) {
+                    const vec xv = *(const vec *)(x + r * in + i + u * VEC);
+                    acc[(u * R + r) * 2] += a * xv;
+                    acc[(u * R + r) * 2 + 1] += b * xv;
+                }
+            }
+        for (int u = 1; u < U; u++)
+            for (int k = 0; k < 2 * R; k++) acc[k] += acc[u * 2 * R + k];
+        for (; i + VEC <= in; i += VEC) {
+            const vec a = *(const vec *)(w0 + i), b = *(const vec *)(w1 + i);
+            for (int r = 0; r < R; r++) {
+                const vec xv = *(const vec *)(x + r * in + i);
+                acc[2 * r] += a * xv;
+                acc[2 * r + 1] += b * xv;
+            }
         }
-        float s = lane_sum((a0 + a1) + (a2 + a3));
-        for (; i < in; i++) s += w[i] * p->x[i];
-        p->y[o] = s + (p->bias ? p->bias[o] : 0.0f);
+        float sums[2 * MAX_ROWS];
+        lane_sums(acc, 2 * R, sums);
+        for (int j = 0; j < 2 && o + j < o1; j++) {
+            const float *w = j ? w1 : w0;
+            for (int r = 0; r < R; r++) {
+                float s = sums[2 * r + j];
+                for (int64_t k = i; k < in; k++) s += w[k] * x[r * in + k]; /* in not a multiple of VEC */
+                p->y[(r0 + r) * p->out + o + j] = s + (p->bias ? p->bias[o + j] : 0.0f);
+            }
+        }
     }
 }
 
-/* a thread's groups of OUTS outputs */
+/* a thread's groups of OUTS outputs, every row: up to MAX_ROWS rows a pass over its weights */
 static void *few_rows_outputs(void *arg) {
     Work *work = arg;
     const FewRows *p = work->problem;
-    if (p->rows == 1 && work->step == 1) {
-        one_row(p, work->first * OUTS, work->last * OUTS < p->out ? work->last * OUTS : p->out);
-        return NULL;
-    }
-    for (int64_t g = work->first; g < work->last; g += work->step)
-        for (int64_t r0 = 0; r0 < p->rows; r0 += MAX_ROWS) {
-            const int64_t left = p->rows - r0;
-            switch (left < MAX_ROWS ? left : MAX_ROWS) { /* one inlined block per row count */
-            case 1: few_rows_block(p, g * OUTS, r0, 1); break;
-            case 2: few_rows_block(p, g * OUTS, r0, 2); break;
-#if MAX_ROWS >= 6
-            case 3: few_rows_block(p, g * OUTS, r0, 3); break;
-            case 4: few_rows_block(p, g * OUTS, r0, 4); break;
-            case 5: few_rows_block(p, g * OUTS, r0, 5); break;
-            case 6: few_rows_block(p, g * OUTS, r0, 6); break;
-#endif
-            }
+    const int64_t o0 = work->first * OUTS, o1 = work->last * OUTS < p->out ? work->last * OUTS : p->out;
+    for (int64_t r0 = 0; r0 < p->rows; r0 += MAX_ROWS) {
+        const int64_t left = p->rows - r0;
+        switch (left < MAX_ROWS ? left : MAX_ROWS) { /* one inlined block per row count */
+        case 1: rows_block(p, o0, o1, r0, 1); break;
+        case 2: rows_block(p, o0, o1, r0, 2); break;
+        case 3: rows_block(p, o0, o1, r0, 3); break;
+        case 4: rows_block(p, o0, o1, r0, 4); break;
+        case 5: rows_block(p, o0, o1, r0, 5); break;
+        case 6: rows_block(p, o0, o1, r0, 6); break;
         }
+    }
     return NULL;
 }
 

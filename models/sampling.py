@@ -62,7 +62,7 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
         plain    the usual product
         vector   weight slices [slices, out / slices, in] @ x^T, 4 slices a thread  (EPYC: ~24 GB/s at one row)
         matrix   x @ weight slices^T, a slice per thread                              (EPYC: best at 6-8 rows)
-        kernel   kernels/few_row_linear: x times w unpacked, rows by 4 outputs in registers, where a C
+        kernel   kernels/few_row_linear: x times w unpacked, two weight rows a pass against every row, where a C
                  compiler builds it (AMD EPYC Zen 5: 1.4x the best of the others at one row, 2x at 6)
 
     The slices are views of the weight, not copies; a linear a path cannot serve (slices need

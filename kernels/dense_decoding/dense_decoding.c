@@ -77,14 +77,38 @@ static void *attend(void *arg) {
         const float *q = p->qkv + r * width + h * d;
         const float *keys = p->keys + h * p->capacity * d, *values = p->values + h * p->capacity * d;
         float *scores = p->scores + u * (p->start + p->rows), total;
-        for (int64_t j = 0; j < n; j++) {
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t e = 0; e < d; e++) s += q[e] * keys[j * d + e];
-            scores[j] = scale * s;
+        /* VEC keys at a time, their dot products' lanes summed together (native.h's lane_sums):
+         * a sum of each one's lanes cost several times its products at dim_head 64 */
+        for (int64_t j0 = 0; j0 < n; j0 += VEC) {
+            vec acc[VEC];
+            for (int t = 0; t < VEC; t++) {
+                const float *k = keys + (j0 + t < n ? j0 + t : j0) * d;
+                vec a = {0};
+                for (int64_t e = 0; e + VEC <= d; e += VEC) a += *(const vec *)(q + e) * *(const vec *)(k + e);
+                acc[t] = a;
+            }
+            float sums[VEC];
+            lane_sums(acc, VEC, sums);
+            for (int64_t t = 0; t < VEC && j0 + t < n; t++) {
+                const float *k = keys + (j0 + t) * d;
+                float s = sums[t];
+                for (int64_t e = d - d % VEC; e < d; e++) s += q[e] * k[e]; /* dim_head not a multiple of VEC */
+                scores[j0 + t] = scale * s;
+            }
         }
         exp_less_max(scores, n, &total);
         float *out = p->out + (r * p->heads + h) * d;
+        if (d % VEC == 0 && d <= MAX_DIM) { /* the output in registers, not stored and loaded per key */
+            vec o[MAX_DIM / VEC];
+            const int64_t c = d / VEC;
+            for (int64_t k = 0; k < c; k++) o[k] = (vec){0};
+            for (int64_t j = 0; j < n; j++) {
+                const float w = scores[j] / total;
+                for (int64_t k = 0; k < c; k++) o[k] += w * *(const vec *)(values + j * d + k * VEC);
+            }
+            for (int64_t k = 0; k < c; k++) *(vec *)(out + k * VEC) = o[k];
+            continue;
+        }
         for (int64_t e = 0; e < d; e++) out[e] = 0.0f;
         for (int64_t j = 0; j < n; j++) {
             const float w = scores[j] / total;
