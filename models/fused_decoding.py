@@ -94,7 +94,8 @@ class DenseStack:
         for l, (keys, values) in enumerate(buffers):
             if keys.shape[2] != capacity or not (keys.is_contiguous() and values.is_contiguous()):
                 raise ValueError("fused decoding: the layers' caches differ in capacity or layout")
-            self.table[l * fields + fields - 2], self.table[l * fields + fields - 1] = keys.data_ptr(), values.data_ptr()
+            self.table[l * fields + dense_decoding.KEYS] = keys.data_ptr()
+            self.table[l * fields + dense_decoding.VALUES] = values.data_ptr()
         scratch = x.new_empty(dense_decoding.scratch_floats(rows, self.dim, self.heads, self.dim_head, self.hidden,
                                                             start + rows))
         dense_decoding.blocks_step(x, self.table, self.rotary.phases(start + rows, x.device), scratch,

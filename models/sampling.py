@@ -63,7 +63,8 @@ def decoding_linears(*models: nn.Module, plan: Optional[dict[int, str]] = None):
         vector   weight slices [slices, out / slices, in] @ x^T, 4 slices a thread  (EPYC: ~24 GB/s at one row)
         matrix   x @ weight slices^T, a slice per thread                              (EPYC: best at 6-8 rows)
         kernel   kernels/few_row_linear: x times w unpacked, two weight rows a pass against every row, where a C
-                 compiler builds it (AMD EPYC Zen 5: 1.4x the best of the others at one row, 2x at 6)
+                 compiler builds it (AMD EPYC Zen 5, its earlier form of 4 outputs a pass: 1.4x the best
+                 of the others at one row, 2x at 6)
 
     The slices are views of the weight, not copies; a linear a path cannot serve (slices need
     out divisible by 4 x threads) takes the plain product. Other dtypes and devices, and products

@@ -14,6 +14,7 @@ _SOURCE = Path(__file__).with_name("dense_decoding.c")
 _SIGNATURES = (("dense_decoding", 4, 8),)
 # a block's row of int64 addresses in the table (dense_decoding.c's enum)
 FIELDS = ("ln1_w", "ln1_b", "qkv_w", "out_w", "ln2_w", "ln2_b", "ff1_w", "ff1_b", "ff2_w", "ff2_b", "keys", "values")
+KEYS, VALUES = FIELDS.index("keys"), FIELDS.index("values")
 
 
 def _library():
@@ -42,7 +43,5 @@ def blocks_step(x: Tensor, table, phases: Tensor, scratch: Tensor, *, heads: int
         raise ValueError("dense_decoding: the scratch or the caches are too small for this step")
     if phases.shape[0] < start + rows or not (x.is_contiguous() and phases.is_contiguous()):
         raise ValueError("dense_decoding: rows and phases must be contiguous, phases cover every position")
-    failed = _library().dense_decoding(x.data_ptr(), ctypes.addressof(table), phases.data_ptr(), scratch.data_ptr(),
-                                       rows, dim, heads, dim_head, hidden, layers, start, capacity, eps, threads)
-    if failed:
-        raise MemoryError("dense_decoding: a thread could not allocate its scratch")
+    _library().dense_decoding(x.data_ptr(), ctypes.addressof(table), phases.data_ptr(), scratch.data_ptr(),
+                              rows, dim, heads, dim_head, hidden, layers, start, capacity, eps, threads)
